@@ -1,0 +1,4 @@
+from .generate import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""`python -m muse_mlx.generate`: stream text from a muse-glimmer GGUF.
+
+Generated text goes to stdout and nothing else does; the statistics go to stderr
+at the end. A user error (missing file, bad GGUF, bad flag value, a prompt past
+the context) prints one line to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+
+from .errors import ContextLimitError, MuseError
+from .kv import SlotCache
+from .sampling import Sampler, SamplerSettings
+
+DEFAULT_PROMPT = "The weights are a river."
+
+
+def generate_tokens(model, cache: SlotCache, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
+                    stop_ids=frozenset()) -> Iterator[int]:
+    """Prefill the prompt, then sample up to `max_tokens` tokens, stopping at a stop id or a full cache."""
+    logits = model.prefill(prompt_ids, cache)
+    for i in range(max_tokens):
+        token = sampler(logits[-1])
+        if token in stop_ids:
+            return
+        yield token
+        if i + 1 == max_tokens or cache.room == 0:
+            return
+        logits = model(mx.array([token]), cache, all_logits=False)
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+    stopped_by: str = "max-tokens"
+
+    def lines(self, cache: SlotCache) -> list[str]:
+        def rate(n, s):
+            return f"{n / s:.2f} tok/s" if s > 0 and n else "n/a"
+
+        kinds = cache.bytes_by_kind()
+        return [
+            f"prompt: {self.prompt_tokens} tokens, {rate(self.prompt_tokens, self.prompt_seconds)}",
+            f"generation: {self.generated_tokens} tokens, {rate(self.generated_tokens, self.generation_seconds)}"
+            f" (stopped by {self.stopped_by})",
+            f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB",
+            f"KV cache: {cache.nbytes:,} bytes allocated for {cache.context:,} positions "
+            f"(sliding rings {kinds['sliding']:,}, full planes {kinds['full']:,})",
+        ]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would add the usage text)
+        raise MuseError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m muse_mlx.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="path to a muse-glimmer GGUF (default: the embedded synthetic fixture, "
+                                   "written to the cache on first use)")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text, or '-' to read stdin")
+    p.add_argument("--max-tokens", "-m", type=int, default=100, help="maximum tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system-prompt", help="system message for --chat")
+    p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
+    return p
+
+
+def _read_prompt(arg: str) -> str:
+    return sys.stdin.read() if arg == "-" else arg
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = SamplerSettings(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                               seed=args.seed)
+    problems = settings.problems()
+    if args.max_tokens < 0:
+        problems.append(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    if args.max_context is not None and args.max_context < 1:
+        problems.append(f"--max-context must be >= 1, got {args.max_context}")
+    if args.system_prompt is not None and not args.chat:
+        problems.append("--system-prompt needs --chat")
+    if problems:
+        raise MuseError(problems[0])
+
+    from .fixtures import default_model_path
+    from .model import load
+    from .tokenizer import MuseTokenizer
+
+    model = load(args.model if args.model is not None else default_model_path())
+    g = model.geometry
+    context = args.max_context or g.context_length
+    if context > g.context_length:
+        raise MuseError(f"--max-context {context} exceeds the model's context length {g.context_length}")
+    tokenizer = MuseTokenizer(model.artifact.vocabulary)
+
+    prompt = _read_prompt(args.prompt)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
+            [{"role": "user", "content": prompt}]
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+    else:
+        prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise MuseError("the prompt is empty (and the model adds no BOS token)")
+    if len(prompt_ids) > context:
+        raise ContextLimitError(f"the prompt is {len(prompt_ids)} tokens, longer than the context of {context} "
+                                f"positions (--max-context)")
+
+    cache = model.make_cache(context)
+    sampler = Sampler(settings)
+    streamer = tokenizer.streamer()
+    stats = Stats(prompt_tokens=len(prompt_ids))
+    out = sys.stdout
+    start = time.perf_counter()
+    first = None
+    for token in generate_tokens(model, cache, prompt_ids, sampler, args.max_tokens, tokenizer.stop_ids):
+        if first is None:
+            first = time.perf_counter()
+        stats.generated_tokens += 1
+        out.write(streamer.push(token))
+        out.flush()
+    end = time.perf_counter()
+    out.write(streamer.flush() + "\n")
+    out.flush()
+    stats.prompt_seconds = (first or end) - start
+    stats.generation_seconds = end - first if first else 0.0
+    if stats.generated_tokens < args.max_tokens:
+        stats.stopped_by = "context limit" if cache.room == 0 else "stop token"
+    for line in stats.lines(cache):
+        print(line, file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except MuseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

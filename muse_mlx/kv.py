@@ -1,0 +1,157 @@
+"""The KV cache of one slot: an f16 ring per sliding layer, an f16 plane per full layer.
+
+Both hold K and V as (n_kv_heads, rows, head_dim) float16 arrays, allocated once at
+their capacity (DESIGN.md §3, seed 000 ch. 22):
+
+- `SlidingRing`: capacity min(C, W). Position p lives in row p % capacity, so the
+  write pointer is `offset % capacity`, the logical origin (oldest position kept)
+  is `max(0, offset - capacity)`, and the rotation is fully determined by `offset`:
+  restoring `offset` with the rows restores the ring bit for bit. Rows past the
+  capacity overwrite the oldest; the ring never grows.
+- `GrowingPlane`: capacity C; position p lives in row p; one row per token.
+
+A multi-token write (a prefill chunk) may be longer than the ring. The model
+therefore attends over `view()` (the rows *before* the chunk) concatenated with the
+chunk's own K/V, and only then calls `append`, which keeps the last `capacity`
+rows of the chunk. This is the case mlx-lm's rotating cache got wrong
+(ml-explore/mlx-lm #1914): writing first would overwrite rows that earlier
+queries of the same chunk still need.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import ContextLimitError
+from .geometry import Geometry
+
+# The contract's KV type (DESIGN.md §3). float32 exists only for the parity
+# harness's exactness lane, which compares against llama.cpp run with F32 KV.
+KV_DTYPE = mx.float16
+
+
+class _Rows:
+    """K and V storage shared by both layer kinds."""
+
+    def __init__(self, n_kv: int, head_dim: int, capacity: int, dtype=KV_DTYPE):
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.dtype = dtype
+        self.keys = mx.zeros((n_kv, capacity, head_dim), dtype=dtype)
+        self.values = mx.zeros((n_kv, capacity, head_dim), dtype=dtype)
+        self.offset = 0  # tokens written so far == the next absolute position
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def _write(self, row: int, k: mx.array, v: mx.array) -> None:
+        n = k.shape[1]
+        self.keys[:, row:row + n, :] = k
+        self.values[:, row:row + n, :] = v
+
+    def state(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+
+class SlidingRing(_Rows):
+    """A sliding-window layer's ring of min(C, W) rows."""
+
+    def __init__(self, n_kv: int, head_dim: int, capacity: int, window: int, dtype=KV_DTYPE):
+        super().__init__(n_kv, head_dim, capacity, dtype)
+        self.window = window
+
+    @property
+    def write_pointer(self) -> int:
+        return self.offset % self.capacity
+
+    @property
+    def origin(self) -> int:
+        """Absolute position of the oldest row still held."""
+        return max(0, self.offset - self.capacity)
+
+    def row_positions(self) -> np.ndarray:
+        """Absolute position held by each physical row of `view()`."""
+        n = min(self.offset, self.capacity)
+        r = np.arange(n, dtype=np.int64)
+        return r + self.capacity * ((self.offset - 1 - r) // self.capacity)
+
+    def view(self) -> tuple[mx.array, mx.array, np.ndarray]:
+        n = min(self.offset, self.capacity)
+        return self.keys[:, :n, :], self.values[:, :n, :], self.row_positions()
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        """Write positions offset..offset+L-1; only the last `capacity` of them are kept."""
+        n_new = k.shape[1]
+        keep = min(n_new, self.capacity)
+        k, v = k[:, n_new - keep:, :], v[:, n_new - keep:, :]
+        first = (self.offset + n_new - keep) % self.capacity
+        head = min(keep, self.capacity - first)
+        self._write(first, k[:, :head], v[:, :head])
+        if keep > head:  # the chunk wraps past the end of the ring
+            self._write(0, k[:, head:], v[:, head:])
+        self.offset += n_new
+
+
+class GrowingPlane(_Rows):
+    """A full-attention (NoPE) layer's plane: one row per token up to capacity C."""
+
+    def row_positions(self) -> np.ndarray:
+        return np.arange(self.offset, dtype=np.int64)
+
+    def view(self) -> tuple[mx.array, mx.array, np.ndarray]:
+        return self.keys[:, :self.offset, :], self.values[:, :self.offset, :], self.row_positions()
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        n_new = k.shape[1]
+        if self.offset + n_new > self.capacity:
+            raise ContextLimitError(
+                f"context full: {self.offset} + {n_new} tokens exceed the slot's {self.capacity} positions")
+        self._write(self.offset, k, v)
+        self.offset += n_new
+
+
+class SlotCache:
+    """All layers' KV for one sequence (one slot), sized for `context` positions."""
+
+    def __init__(self, geometry: Geometry, context: int, dtype=KV_DTYPE):
+        if context <= 0:
+            raise ValueError(f"context must be positive, got {context}")
+        self.geometry = geometry
+        self.context = context
+        self.dtype = dtype
+        g = geometry
+        self.layers: list[SlidingRing | GrowingPlane] = [
+            SlidingRing(g.n_head_kv, g.head_dim, g.ring_rows(context), g.sliding_window, dtype)
+            if g.is_swa(il) else GrowingPlane(g.n_head_kv, g.head_dim, context, dtype)
+            for il in range(g.n_layer)
+        ]
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset
+
+    @property
+    def room(self) -> int:
+        return self.context - self.offset
+
+    def check_room(self, n_tokens: int) -> None:
+        if n_tokens > self.room:
+            raise ContextLimitError(
+                f"{n_tokens} more tokens do not fit: {self.offset} of {self.context} positions are used")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for K and V; with f16 KV this is Geometry.slot_kv_bytes(context)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        out = {"sliding": 0, "full": 0}
+        for layer in self.layers:
+            out["sliding" if isinstance(layer, SlidingRing) else "full"] += layer.nbytes
+        return out
+
+    def state(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.state()]

@@ -1,0 +1,248 @@
+"""The Muse Glimmer forward pass as MLX modules, in the order the data flows.
+
+This is the MLX-ops reference path (DESIGN.md §1), computed in float32:
+
+    x = rmsnorm(embed[tok])                                   (no weight)
+    per layer:
+      h = rmsnorm(x) * attn_norm
+      q, k, v, g = Wq h, Wk h, Wv h, Wgate h
+      q, k = rmsnorm(q) * attn_q_norm, rmsnorm(k) * attn_k_norm    (per head)
+      sliding layers: RoPE (ggml NORM mode: adjacent pairs), base rope.freq_base_swa
+      full layers: no position encoding (NoPE)
+      K, V rounded to f16 and stored in the slot's ring / plane
+      a = softmax(q K^T / sqrt(head_dim) + mask) V     (window on sliding layers)
+      x = x + rmsnorm(Wo (a * sigmoid(g)), 1e-8) * post_attention_norm
+      h = rmsnorm(x) * ffn_norm
+      x = x + rmsnorm(Wdown(silu(Wgate h) * Wup h), 1e-8) * post_ffw_norm
+    logits = (Woutput (rmsnorm(x) * output_norm)) * logit_scale, then c*tanh(logits/c)
+
+Weights arrive as raw GGUF blocks; `Projection` turns them into what the path
+needs (here: dense float32, dequantized once at load).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .artifact import Artifact, RawTensor
+from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
+from .kv import KV_DTYPE, SlotCache, SlidingRing
+from .quant import dequantize
+
+# Bound on one attention score block (heads x queries x keys x 4 bytes) on the
+# reference path, so a 512-token chunk at depth 131,072 does not need 8.6 GB at once.
+_SCORE_BLOCK_BYTES = 256 * 2**20
+
+
+class Projection(nn.Module):
+    """y = x W^T for a GGUF matrix of any supported type (dense f32 on this path)."""
+
+    def __init__(self, raw: RawTensor):
+        super().__init__()
+        self.qtype = raw.qtype
+        self.shape = raw.shape  # (in, out) in GGUF order
+        self.weight = dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype)  # (out, in)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
+
+
+class Embedding(nn.Module):
+    """Token rows gathered from the raw table and dequantized on the fly (only the rows used)."""
+
+    def __init__(self, raw: RawTensor):
+        super().__init__()
+        self.qtype = raw.qtype
+        self.rows = mx.array(np.ascontiguousarray(raw.data))  # (n_vocab, row_bytes)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return dequantize(self.rows[tokens], self.qtype)
+
+
+def _vector(raw: RawTensor) -> mx.array:
+    return dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype).reshape(-1)
+
+
+def rope_tables(positions: np.ndarray, rope_dim: int, base: float) -> tuple[mx.array, mx.array]:
+    """cos/sin of ggml's RoPE angles, (L, rope_dim/2), float32.
+
+    ggml (ggml_rope_cache_init) starts from theta = p and multiplies by
+    theta_scale = base^(-2/rope_dim) once per pair, in float32; this reproduces that
+    recurrence so the angles round the way the reference's do.
+    """
+    theta_scale = np.float32(np.float32(base) ** np.float32(-2.0 / rope_dim))
+    theta = positions.astype(np.float32)
+    angles = np.empty((len(positions), rope_dim // 2), dtype=np.float32)
+    for i in range(rope_dim // 2):
+        angles[:, i] = theta
+        theta = (theta * theta_scale).astype(np.float32)
+    a64 = angles.astype(np.float64)
+    return mx.array(np.cos(a64).astype(np.float32)), mx.array(np.sin(a64).astype(np.float32))
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of the first rope_dim dims; x is (L, heads, head_dim)."""
+    L, n_heads, head_dim = x.shape
+    rope_dim = 2 * cos.shape[-1]
+    pairs = x[..., :rope_dim].reshape(L, n_heads, rope_dim // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(L, n_heads, rope_dim)
+    if rope_dim == head_dim:
+        return rotated
+    return mx.concatenate([rotated, x[..., rope_dim:]], axis=-1)
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, q_pos: np.ndarray, k_pos: np.ndarray,
+              window: int | None, scale: float) -> mx.array:
+    """Causal GQA attention in float32.
+
+    q: (L, n_head, hd); keys/values: (n_kv, N, hd) f16; q_pos (L,), k_pos (N,) absolute
+    positions. A key is visible iff k_pos <= q_pos and, with a window W,
+    q_pos - k_pos < W. Returns (L, n_head * hd).
+    """
+    L, n_head, hd = q.shape
+    n_kv, N, _ = keys.shape
+    group = n_head // n_kv
+    k = keys.astype(mx.float32)[:, None]          # (n_kv, 1, N, hd)
+    v = values.astype(mx.float32)[:, None]
+    qh = q.transpose(1, 0, 2).reshape(n_kv, group, L, hd)
+    step = max(1, _SCORE_BLOCK_BYTES // max(1, n_head * N * 4))
+    outs = []
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        rel = q_pos[a:b, None] - k_pos[None, :]
+        visible = rel >= 0
+        if window is not None:
+            visible &= rel < window
+        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+        scores = (qh[:, :, a:b] @ k.swapaxes(-1, -2)) * scale + mask
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        outs.append(probs @ v)                    # (n_kv, group, b-a, hd)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    return out.reshape(n_head, L, hd).transpose(1, 0, 2).reshape(L, n_head * hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor]):
+        super().__init__()
+        self.g, self.sliding = g, g.is_swa(layer)
+        self.attn_norm = _vector(t["attn_norm"])
+        self.wq, self.wk, self.wv = Projection(t["attn_q"]), Projection(t["attn_k"]), Projection(t["attn_v"])
+        self.wgate = Projection(t["attn_gate"])
+        self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
+        self.wo = Projection(t["attn_output"])
+        self.post_norm = _vector(t["post_attention_norm"])
+        self.scale = 1.0 / math.sqrt(g.head_dim)
+
+    def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
+        g, L = self.g, x.shape[0]
+        h = mx.fast.rms_norm(x, self.attn_norm, g.rms_eps)
+        q = self.wq(h).reshape(L, g.n_head, g.head_dim)
+        k = self.wk(h).reshape(L, g.n_head_kv, g.head_dim)
+        v = self.wv(h).reshape(L, g.n_head_kv, g.head_dim)
+        gate = self.wgate(h)
+        q = mx.fast.rms_norm(q, self.q_norm, g.rms_eps)
+        k = mx.fast.rms_norm(k, self.k_norm, g.rms_eps)
+        if self.sliding:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k16 = k.astype(cache.dtype).transpose(1, 0, 2)   # (n_kv, L, hd): the cache's layout
+        v16 = v.astype(cache.dtype).transpose(1, 0, 2)
+        old_k, old_v, old_pos = cache.view()
+        keys = mx.concatenate([old_k, k16], axis=1)
+        values = mx.concatenate([old_v, v16], axis=1)
+        k_pos = np.concatenate([old_pos, positions])
+        cache.append(k16, v16)
+        window = g.sliding_window if self.sliding else None
+        a = attention(q, keys, values, positions, k_pos, window, self.scale)
+        a = a * mx.sigmoid(gate)
+        return mx.fast.rms_norm(self.wo(a), self.post_norm, POST_NORM_EPS)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, g: Geometry, t: dict[str, RawTensor]):
+        super().__init__()
+        self.eps = g.rms_eps
+        self.ffn_norm = _vector(t["ffn_norm"])
+        self.wgate, self.wup, self.wdown = Projection(t["ffn_gate"]), Projection(t["ffn_up"]), Projection(t["ffn_down"])
+        self.post_norm = _vector(t["post_ffw_norm"])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = mx.fast.rms_norm(x, self.ffn_norm, self.eps)
+        f = self.wdown(nn.silu(self.wgate(h)) * self.wup(h))
+        return mx.fast.rms_norm(f, self.post_norm, POST_NORM_EPS)
+
+
+class Block(nn.Module):
+    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor]):
+        super().__init__()
+        self.attention = Attention(g, layer, t)
+        self.feed_forward = FeedForward(g, t)
+
+    def __call__(self, x, positions, rope, cache):
+        x = x + self.attention(x, positions, rope, cache)
+        return x + self.feed_forward(x)
+
+
+class Model(nn.Module):
+    """Muse Glimmer from a validated artifact."""
+
+    def __init__(self, artifact: Artifact):
+        super().__init__()
+        self.artifact = artifact
+        g = self.geometry = artifact.geometry
+        t = artifact.tensors
+        self.embed = Embedding(t["token_embd.weight"])
+        self.blocks = [
+            Block(g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS})
+            for il in range(g.n_layer)
+        ]
+        self.output_norm = _vector(t["output_norm.weight"])
+        self.output = Projection(t["output.weight"])
+        mx.eval(self.parameters())
+
+    def make_cache(self, context: int | None = None, dtype=KV_DTYPE) -> SlotCache:
+        return SlotCache(self.geometry, context or self.geometry.context_length, dtype)
+
+    def __call__(self, tokens: mx.array, cache: SlotCache, all_logits: bool = True) -> mx.array:
+        """Run `tokens` (L,) at positions cache.offset.. and return logits (L or 1, n_vocab)."""
+        g = self.geometry
+        L = tokens.shape[0]
+        cache.check_room(L)
+        positions = np.arange(cache.offset, cache.offset + L, dtype=np.int64)
+        rope = rope_tables(positions, g.rope_dim, g.rope_base_swa)
+        x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            x = block(x, positions, rope, layer_cache)
+        if not all_logits:
+            x = x[-1:]
+        logits = self.output(mx.fast.rms_norm(x, self.output_norm, g.rms_eps)) * g.logit_scale
+        if g.final_logit_softcap:
+            c = g.final_logit_softcap
+            logits = mx.tanh(logits / c) * c
+        return logits
+
+    def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK,
+                all_logits: bool = False) -> mx.array:
+        """Feed a prompt in chunks of `chunk` positions; logits of the last token (or of all)."""
+        tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+        cache.check_room(tokens.shape[0])
+        outs = []
+        for a in range(0, tokens.shape[0], chunk):
+            logits = self(tokens[a:a + chunk], cache, all_logits=all_logits)
+            mx.eval(logits, cache.state())
+            outs.append(logits)
+        return mx.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+
+def load(path) -> Model:
+    from .artifact import open_artifact
+
+    return Model(open_artifact(path))
+
+
+__all__ = ["Model", "load", "SlidingRing", "attention", "apply_rope", "rope_tables"]
