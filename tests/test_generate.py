@@ -1,0 +1,121 @@
+"""`python -m muse_mlx.generate`: stdout carries only text, stats go to stderr, user errors exit 2."""
+
+import hashlib
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from muse_mlx.fixtures import ensure_fixture
+from muse_mlx.generate import generate_tokens
+from muse_mlx.model import load
+from muse_mlx.sampling import Sampler, SamplerSettings
+from muse_mlx.tokenizer import MuseTokenizer
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "muse_mlx.generate", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_default_model_runs_and_streams_only_text(f32_fixture):
+    r = run_cli("--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["prompt", "generation", "peak memory", "KV cache"]
+    assert "12 tokens" in lines[1]
+    # The same tokens through the API, decoded: stdout is exactly that text and a newline.
+    model = load(ensure_fixture())
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    ids = tok.encode("The weights are a river.")
+    tokens = list(generate_tokens(model, model.make_cache(), ids, Sampler(SamplerSettings()), 12, tok.stop_ids))
+    assert r.stdout == tok.decode(tokens) + "\n"
+
+
+def test_greedy_and_seeded_sampling_are_deterministic(f32_fixture):
+    a = run_cli("--model", str(f32_fixture), "-m", "8", "--temp", "0")
+    b = run_cli("--model", str(f32_fixture), "-m", "8", "--temp", "0")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
+    s1 = run_cli("--model", str(f32_fixture), "-m", "16", "--temp", "1.0", "--top-k", "40", "--top-p", "0.95",
+                 "--min-p", "0.01", "--seed", "11")
+    s2 = run_cli("--model", str(f32_fixture), "-m", "16", "--temp", "1.0", "--top-k", "40", "--top-p", "0.95",
+                 "--min-p", "0.01", "--seed", "11")
+    assert s1.returncode == 0 and s1.stdout == s2.stdout
+
+
+def test_chat_and_stdin(f32_fixture):
+    r = run_cli("--model", str(f32_fixture), "--chat", "--system-prompt", "Be brief.", "-p", "-", "-m", "4",
+                stdin="What is a ring?")
+    assert r.returncode == 0, r.stderr
+    assert "prompt:" in r.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "/definitely/not/here.gguf"], "no such file"),
+    (["--temp", "-1"], "--temp"),
+    (["--top-p", "0"], "--top-p"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--max-tokens", "-3"], "--max-tokens"),
+    (["--max-context", "0"], "--max-context"),
+    (["--max-context", "999999"], "exceeds the model's context length"),
+    (["--top-k", "lots"], "invalid int value"),
+    (["--frobnicate"], "unrecognized arguments"),
+    (["--max-context", "3"], "longer than the context"),
+    (["--system-prompt", "x"], "needs --chat"),
+])
+def test_user_errors_exit_2_with_one_line(args, fragment):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_files_exit_2(tmp_path, f32_fixture):
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(f32_fixture.read_bytes()[:100_000])
+    for path in (text, cut):
+        r = run_cli("--model", str(path))
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+class _StopAfter(Sampler):
+    def __init__(self, n, stop_id):
+        super().__init__(SamplerSettings())
+        self.n, self.stop_id, self.calls = n, stop_id, 0
+
+    def __call__(self, logits):
+        self.calls += 1
+        return self.stop_id if self.calls > self.n else super().__call__(logits)
+
+
+def test_generation_stops_at_a_stop_token_and_at_a_full_context(f32_fixture):
+    model = load(f32_fixture)
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    ids = tok.encode("stop here")
+    out = list(generate_tokens(model, model.make_cache(), ids, _StopAfter(3, tok.vocab.eom_id), 50, tok.stop_ids))
+    assert len(out) == 3
+    cache = model.make_cache(len(ids) + 5)
+    out = list(generate_tokens(model, cache, ids, Sampler(SamplerSettings()), 50, tok.stop_ids))
+    assert cache.room == 0 and len(out) == 6  # five fed back, the sixth sampled from the last logits
+
+
+def test_default_fixture_is_deterministic(tmp_path):
+    a = ensure_fixture(directory=tmp_path / "a")
+    b = ensure_fixture(directory=tmp_path / "b")
+    assert a.name == b.name
+    assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
+    assert not list((tmp_path / "a").glob(".*tmp*"))  # nothing half-written left behind
+
+
+def test_sampler_filters():
+    logits = mx.log(mx.array([0.5, 0.25, 0.15, 0.06, 0.04]))
+    keep = lambda **kw: [bool(x) for x in mx.isfinite(Sampler(SamplerSettings(temp=1, **kw)).filter(logits))]  # noqa
+    assert keep(top_k=2) == [True, True, False, False, False]
+    assert keep(top_p=0.7) == [True, True, False, False, False]
+    assert keep(top_p=0.76) == [True, True, True, False, False]
+    assert keep(min_p=0.2) == [True, True, True, False, False]
+    assert keep(top_p=0.01) == [True, False, False, False, False]

@@ -1,0 +1,102 @@
+"""The GGUF vocabulary as a tokenizer, and the chat template against the pinned muse-glimmer.jinja."""
+
+import os
+import tarfile
+from functools import lru_cache
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from muse_mlx.artifact import open_artifact
+from muse_mlx.errors import TokenizerError
+from muse_mlx.tokenizer import MuseTokenizer, render_chat_template
+
+TEXTS = [
+    "The weights are a river.",
+    "  leading spaces, trailing spaces   ",
+    "line one\nline two\n\n\tTabbed 123 456789 it's we'll",
+    "unicode: naïve café — 東京 🚀 Ωmega",
+    "",
+]
+
+PINNED_SDIST = "llama_cpp_python-0.3.36.tar.gz"
+PINNED_TEMPLATE = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/muse-glimmer.jinja"
+
+
+@pytest.fixture(scope="module")
+def tok(f32_fixture):
+    return MuseTokenizer(open_artifact(f32_fixture).vocabulary)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_roundtrip(tok, text):
+    ids = tok.encode(text, add_bos=False)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < tok.n_vocab for i in ids)
+
+
+def test_bos_and_merges(tok):
+    ids = tok.encode(" the river")
+    assert ids[0] == tok.bos_id
+    assert tok.vocab.tokens[ids[1]] == "Ġthe"  # a learned merge, applied
+    assert len(ids) < 1 + len(" the river")
+
+
+def test_special_tokens_are_parsed(tok):
+    ids = tok.encode("<|start|>user<|message|>hi<|eot|>", add_bos=False)
+    names = [tok.vocab.tokens[i] for i in ids]
+    assert names[0] == "<|start|>" and "<|message|>" in names and names[-1] == "<|eot|>"
+    assert tok.decode(ids) == "user" + "hi"  # control tokens render as nothing, like llama.cpp
+    assert {tok.vocab.eot_id, tok.vocab.eom_id} <= tok.stop_ids
+
+
+def test_streaming_holds_back_partial_utf8(tok):
+    text = "ok 東京 🚀!"
+    ids = tok.encode(text, add_bos=False)
+    s = tok.streamer()
+    pieces = [s.push(i) for i in ids] + [s.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_unknown_pre_tokenizer_is_refused(tok):
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'mystery'"):
+        MuseTokenizer(replace(tok.vocab, pre="mystery"))
+
+
+@lru_cache(maxsize=1)
+def _pinned_template() -> str | None:
+    for root in [os.environ.get("MUSE_PINNED_SDIST_DIR"), Path(__file__).parents[1] / ".pinned"]:
+        if root and (Path(root) / PINNED_SDIST).exists():
+            with tarfile.open(Path(root) / PINNED_SDIST) as tar:
+                return tar.extractfile(PINNED_TEMPLATE).read().decode()
+    return None
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Reasoning effort: low. Be kind."}, {"role": "user", "content": "Q1"},
+     {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}],
+    [{"role": "user", "content": "multi\nline\n\ncontent"}, {"role": "assistant", "content": "ok"}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("extra", [{}, {"current_date": "2026-11-29", "reasoning_strength": "medium"}])
+def test_fixture_template_renders_like_the_pinned_template(tok, messages, extra):
+    pinned = _pinned_template()
+    if pinned is None:
+        pytest.skip(f"{PINNED_SDIST} not found in .pinned/ (the README's test set-up downloads it)")
+    kwargs = dict(bos_token="<|bos|>", eos_token="<|eot|>", add_generation_prompt=True,
+                  strftime_now=lambda fmt: "2026-11-29", **extra)
+    assert render_chat_template(tok.vocab.chat_template, messages, **kwargs) == \
+        render_chat_template(pinned, messages, **kwargs)
+
+
+def test_chat_prompt_tokenizes_specials(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
+    ids = tok.encode(text, add_bos=False)
+    assert ids[0] == tok.bos_id
+    assert text.endswith("<|start|>assistant")
