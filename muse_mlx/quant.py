@@ -170,3 +170,40 @@ def dequantize(raw: mx.array, qtype: QT) -> mx.array:
 def dequantize_numpy(tensor) -> np.ndarray:
     """A RawTensor -> float32 numpy array in GGUF row-major order (rows, row_length)."""
     return np.array(dequantize(mx.array(np.ascontiguousarray(tensor.data)), tensor.qtype))
+
+
+# ---- NVFP4 quantization (the project writes NVFP4 itself: llama.cpp's quantizer refuses the ftype) ----
+
+
+def _fp32_to_ue4m3(x: np.ndarray) -> np.ndarray:
+    """ggml_fp32_to_ue4m3 (ggml-impl.h), vectorised: 0 for x <= 0; saturate at 448 (0x7E);
+    subnormal (biased exponent <= 0) as round(x * 512) clamped to 0..7; otherwise round
+    half up on the fourth mantissa bit, carrying into the exponent."""
+    x = np.minimum(np.where(x > 0, x, 0).astype(np.float32), np.float32(448.0))
+    bits = x.view(np.uint32)
+    exp = ((bits >> 23) & 0xFF).astype(np.int32) - 127 + 7
+    man = ((bits >> 20) & 0x7).astype(np.int32) + ((bits >> 19) & 1).astype(np.int32)
+    carried_exp = np.where(man > 7, exp + 1, exp)
+    normal = np.where(carried_exp >= 15, 0x7E, (carried_exp << 3) | np.where(man > 7, 0, man))
+    subnormal = np.clip((x * np.float32(512.0) + np.float32(0.5)).astype(np.int32), 0, 7)
+    out = np.where(exp <= 0, subnormal, normal)
+    return np.where(x > 0, out, 0).astype(np.uint8)
+
+
+def quantize_nvfp4(values: np.ndarray) -> np.ndarray:
+    """float32 rows (n, k), k % 64 == 0 -> block_nvfp4 bytes (n, k/64*36), as quantize_row_nvfp4_ref:
+    per 16 values, scale = UE4M3(amax / 6); each value takes the nearest E2M1 code (first on ties)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    n, k = values.shape
+    if k % 64:
+        raise ValueError(f"NVFP4 rows must be a multiple of 64 values, got {k}")
+    sub = values.reshape(n, k // 64, 4, 16)
+    amax = np.abs(sub).max(axis=-1)
+    ue = _fp32_to_ue4m3((amax / np.float32(6.0)).astype(np.float32))
+    d = np.array(_ue4m3_table())[ue][..., None]                      # (n, nb, 4, 1), includes the 0.5
+    codes = np.array(_E2M1_DOUBLED, dtype=np.float32)
+    err = np.abs(codes[None, None, None, None, :] * d[..., None] - sub[..., None])
+    idx = np.argmin(err, axis=-1).astype(np.uint8)                  # (n, nb, 4, 16), first minimum wins
+    qs = idx[..., :8] | (idx[..., 8:] << 4)                          # low nibble j, high nibble 8 + j
+    blocks = np.concatenate([ue, qs.reshape(n, k // 64, 32)], axis=-1)
+    return blocks.reshape(n, -1)
