@@ -127,6 +127,11 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, q_pos: np.ndarray, 
     return out.reshape(n_head, L, hd).transpose(1, 0, 2).reshape(L, n_head * hd)
 
 
+def output_gate(a: mx.array, gate: mx.array) -> mx.array:
+    """The attention output gate: a * sigmoid(Wgate h), before the output projection."""
+    return a * mx.sigmoid(gate)
+
+
 class Attention(nn.Module):
     def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor]):
         super().__init__()
@@ -158,8 +163,7 @@ class Attention(nn.Module):
         k_pos = np.concatenate([old_pos, positions])
         cache.append(k16, v16)
         window = g.sliding_window if self.sliding else None
-        a = attention(q, keys, values, positions, k_pos, window, self.scale)
-        a = a * mx.sigmoid(gate)
+        a = output_gate(attention(q, keys, values, positions, k_pos, window, self.scale), gate)
         return mx.fast.rms_norm(self.wo(a), self.post_norm, POST_NORM_EPS)
 
 

@@ -37,6 +37,10 @@ PRE_TOKENIZERS = {
 
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
+# llama-vocab.cpp forces these to USER_DEFINED whatever the GGUF says ("quick hack for
+# gpt-oss, always render these tokens"), so llama.cpp prints them; so do we.
+ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
 
 class MuseTokenizer:
     """Encode text to ids and ids to text the way the pinned llama.cpp does."""
@@ -59,7 +63,8 @@ class MuseTokenizer:
         tok.decoder = decoders.ByteLevel()
         types = vocab.token_types or [1] * len(vocab.tokens)
         self.special_ids = {i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
-        self.control_ids = {i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL}
+        self.control_ids = {i for i, t in enumerate(types)
+                            if t == TOKEN_TYPE_CONTROL and vocab.tokens[i] not in ALWAYS_RENDERED}
         tok.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
                                 for i in sorted(self.special_ids)])
         self._tok = tok

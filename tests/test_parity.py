@@ -1,0 +1,211 @@
+"""Parity with the pinned llama.cpp: every lane passes its thresholds, and each planted fault fails them.
+
+Needs the parity extra (llama-cpp-python==0.3.36). Numbers come from synthetic fixtures.
+"""
+
+import ctypes
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+import muse_mlx.model as model_module
+from muse_mlx import parity
+from muse_mlx.artifact import open_artifact
+from muse_mlx.llamacpp import LlamaCpp, lib
+from muse_mlx.model import Model, load
+from muse_mlx.quant import quantize_nvfp4
+from muse_mlx.tokenizer import MuseTokenizer
+from reference import ReferenceModel, log_softmax
+
+pytestmark = pytest.mark.parity
+
+PREFILL, DECODE, GREEDY = 100, 120, 16   # 220 positions: the 64-position window wraps three times
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, 512, PREFILL + DECODE)
+
+
+@pytest.fixture(scope="module")
+def lane_files(f32_fixture, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("lanes")
+    return {name: parity.lane_file(lane, f32_fixture, workdir) for name, lane in parity.LANES.items()}
+
+
+def run(name, path, tokens, model=None, lane=None):
+    return parity.run_lane(lane or parity.LANES[name], path, tokens, PREFILL, GREEDY, model=model)
+
+
+@pytest.mark.parametrize("name", list(parity.LANES))
+def test_lane_passes(name, lane_files, tokens):
+    result = run(name, lane_files[name], tokens)
+    assert result.passed, parity.table([result])
+
+
+def test_lane_files_have_the_lane_types(lane_files):
+    def matrix_types(path):
+        return {t.qtype for t in open_artifact(path).tensors.values() if len(t.shape) == 2}
+
+    assert matrix_types(lane_files["q4_k_m"]) == {QT.Q4_K, QT.Q6_K}
+    assert matrix_types(lane_files["q5_k_m"]) == {QT.Q5_K, QT.Q6_K}
+    assert matrix_types(lane_files["q6_k"]) == {QT.Q6_K}
+    assert matrix_types(lane_files["nvfp4"]) == {QT.NVFP4}
+    for name in parity.LANES:
+        assert name in parity.infer_lanes(lane_files[name])
+
+
+# ---- planted faults: the harness must catch each ---------------------------------------
+
+
+def neox_rope(x, cos, sin):
+    """The other RoPE mode (GPT-NeoX: rotate the two halves), the classic porting bug."""
+    half = cos.shape[-1]
+    x0, x1 = x[..., :half], x[..., half:2 * half]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = mx.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+    return rotated if 2 * half == x.shape[-1] else mx.concatenate([rotated, x[..., 2 * half:]], axis=-1)
+
+
+def with_geometry(path, **changes):
+    artifact = open_artifact(path)
+    artifact.geometry = artifact.geometry.with_(**changes)
+    return Model(artifact)
+
+
+FAULTS = {
+    "rope-neox-mode": lambda mp, path: (mp.setattr(model_module, "apply_rope", neox_rope), load(path))[1],
+    "rope-full-base": lambda mp, path: with_geometry(path, rope_base_swa=1_000_000.0),
+    "norm-eps-default": lambda mp, path: with_geometry(path, rms_eps=1e-6),
+    "post-norm-eps-from-file": lambda mp, path: (mp.setattr(model_module, "POST_NORM_EPS", 1e-3), load(path))[1],
+    "window-plus-one": lambda mp, path: with_geometry(path, sliding_window=65),
+    "window-minus-one": lambda mp, path: with_geometry(path, sliding_window=63),
+    "gate-missing": lambda mp, path: (mp.setattr(model_module, "output_gate", lambda a, g: a), load(path))[1],
+    "softcap-missing": lambda mp, path: with_geometry(path, final_logit_softcap=None),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_exactness_lane_catches_fault(fault, f32_fixture, tokens, monkeypatch):
+    faulty = FAULTS[fault](monkeypatch, f32_fixture)
+    result = run("f32", f32_fixture, tokens, model=faulty)
+    assert not result.passed
+    assert not result.checks["max_abs_dlogprob"]["pass"], parity.table([result])
+
+
+def test_f16kv_lane_catches_unrounded_kv(f32_fixture, tokens):
+    unrounded = dataclasses.replace(parity.LANES["f16kv"], engine_kv="f32")
+    result = run("f16kv", f32_fixture, tokens, lane=unrounded)
+    assert not result.passed
+    assert not result.checks["kv_layer0_identical"]["pass"]
+    assert result.metrics["kv_layer0_identical"] < 0.01
+
+
+# ---- NVFP4: written by the project, proven by gguf-py and by llama.cpp -------------------
+
+
+def ggml_quantize(values: np.ndarray, ggml_type: int, row_bytes: int) -> np.ndarray:
+    """ggml's own quantizer (ggml_quantize_chunk in the pinned build's libggml-base)."""
+    libdir = Path(lib().__file__).parent / "lib"
+    ggml = ctypes.CDLL(str(next(libdir.glob("libggml-base.so*"))))
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    out = np.zeros((values.shape[0], row_bytes), dtype=np.uint8)
+    ggml.ggml_quantize_chunk(ggml_type, values.ctypes.data, out.ctypes.data, 0, values.shape[0], values.shape[1], None)
+    return out
+
+
+@pytest.mark.parametrize("scale", [1e-7, 1e-3, 1.0, 300.0, 1e5])
+def test_nvfp4_quantizer_matches_ggml_bit_for_bit(scale):
+    rng = np.random.default_rng(int(np.log10(scale) + 10))
+    x = (rng.standard_normal((16, 512)) * scale).astype(np.float32)
+    x[0, :64] = 0.0
+    x[1, ::7] *= 1000.0
+    assert np.array_equal(quantize_nvfp4(x), ggml_quantize(x, 40, 512 // 64 * 36))  # GGML_TYPE_NVFP4 = 40
+
+
+def test_nvfp4_file_dequantizes_with_gguf_py(lane_files, f32_fixture):
+    nv = {t.name: t for t in GGUFReader(lane_files["nvfp4"]).tensors}
+    base = {t.name: t for t in GGUFReader(f32_fixture).tensors}
+    for name in ("blk.0.attn_q.weight", "blk.7.ffn_down.weight", "output.weight"):
+        assert nv[name].tensor_type == QT.NVFP4
+        values = gguf_dequantize(np.asarray(nv[name].data), QT.NVFP4)
+        original = np.asarray(base[name].data)
+        assert values.shape == original.shape
+        err = np.abs(values - original).reshape(-1, 16)
+        amax = np.abs(original).reshape(-1, 16).max(axis=1, keepdims=True)
+        # E2M1's widest gap (4 -> 6) costs at most one scale (~amax/6); the E4M3 scale adds its rounding.
+        assert np.all(err <= amax / 4)
+        assert np.sqrt((err ** 2).mean() / (original ** 2).mean()) < 0.1
+
+
+# ---- the engine on llama.cpp's quantized files, against float64 on the same weights ------
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "q5_k_m", "q6_k", "nvfp4"])
+def test_quantized_lane_matches_float64_on_the_same_weights(name, lane_files):
+    path = lane_files[name]
+    toks = np.random.default_rng(4).integers(0, 512, 150)
+    m = load(path)
+    cache = m.make_cache(150, dtype=mx.float32)
+    ours = np.array(m.prefill(mx.array(toks), cache, all_logits=True))
+    ref = ReferenceModel(path, kv_f16=False).logits(toks)
+    assert np.abs(log_softmax(ours) - log_softmax(ref)).max() < 1e-4
+
+
+# ---- text: tokenization and greedy generation against llama.cpp --------------------------
+
+TEXTS = ["The weights are a river.", "  two  spaces\nand a newline", "naïve 東京 🚀",
+         "<|start|>user<|message|>Hello<|eot|><|start|>assistant"]
+
+
+def test_tokenization_matches_llama(f32_fixture):
+    tok = MuseTokenizer(open_artifact(f32_fixture).vocabulary)
+    with LlamaCpp(f32_fixture, n_ctx=256) as llama:
+        for text in TEXTS:
+            ids = tok.encode(text)
+            assert ids == llama.tokenize(text), text
+            assert tok.decode(ids).encode() == llama.detokenize(ids)
+
+
+def test_greedy_text_matches_llama(f32_fixture):
+    prompt, n = "The cache keeps what attention has already computed.", 40
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "--temp", "0",
+                        "--prompt", prompt, "--max-tokens", str(n)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with LlamaCpp(f32_fixture, n_ctx=256) as llama:
+        ids = llama.greedy(llama.tokenize(prompt), n)
+        stop = next((i for i, t in enumerate(ids) if llama.is_eog(t)), n)
+        text = llama.detokenize(ids[:stop]).decode("utf-8", errors="replace")
+    assert r.stdout == text + "\n"
+
+
+# ---- the CLI ---------------------------------------------------------------------------
+
+
+def test_cli_writes_receipts(f32_fixture, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.parity", "--model", str(f32_fixture), "--lanes", "f32",
+                        "--prefill", "70", "--decode-steps", "10", "--greedy", "4", "--receipt-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "f32" in r.stdout and "pass" in r.stdout
+    receipt = (tmp_path / "f32.json").read_text()
+    for key in ('"llama-cpp-python": "0.3.36"', '"model_sha256"', '"verdict": "pass"', '"synthetic": true'):
+        assert key in receipt
+
+
+@pytest.mark.parametrize("args", [["--lanes", "q3_k"], ["--prefill", "0"], ["--prefill", "5000"]])
+def test_cli_user_errors(f32_fixture, args):
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.parity", "--model", str(f32_fixture), *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
