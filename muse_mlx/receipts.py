@@ -32,7 +32,7 @@ def git_revision(cwd: Path | None = None) -> dict:
         rev = git("rev-parse", "HEAD")
         if rev.returncode != 0:
             return {"revision": None}
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip() != ""
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!receipts").stdout.strip() != ""  # receipts being written do not count
         return {"revision": rev.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.TimeoutExpired):
         return {"revision": None}
