@@ -16,8 +16,11 @@ This is the MLX-ops reference path (DESIGN.md §1), computed in float32:
       x = x + rmsnorm(Wdown(silu(Wgate h) * Wup h), 1e-8) * post_ffw_norm
     logits = (Woutput (rmsnorm(x) * output_norm)) * logit_scale, then c*tanh(logits/c)
 
-Weights arrive as raw GGUF blocks; `Projection` turns them into what the path
-needs (here: dense float32, dequantized once at load).
+Two paths share this code (kernels.py chooses): the MLX-ops reference path keeps
+every matrix as dense float32, dequantized once at load; the kernel path keeps
+the raw GGUF blocks and multiplies them in place (custom_kernels/matvec.inc) for
+up to 8 rows at a time, dequantizing a matrix on the fly only for longer prefill
+chunks, and runs single-token attention with custom_kernels/attention.inc.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from .artifact import Artifact, RawTensor
 from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
+from . import kernels
 from .kv import KV_DTYPE, SlotCache, SlidingRing
 from .quant import dequantize
 
@@ -39,16 +43,30 @@ _SCORE_BLOCK_BYTES = 256 * 2**20
 
 
 class Projection(nn.Module):
-    """y = x W^T for a GGUF matrix of any supported type (dense f32 on this path)."""
+    """y = x W^T for a GGUF matrix of any supported type.
 
-    def __init__(self, raw: RawTensor):
+    Reference path: dense float32 weights, dequantized once at load. Kernel path: the raw
+    blocks, multiplied in place by the matvec kernel for up to kernels.MAX_BATCH rows;
+    a longer chunk (prefill) dequantizes the matrix for that one product.
+    """
+
+    def __init__(self, raw: RawTensor, use_kernels: bool):
         super().__init__()
         self.qtype = raw.qtype
         self.shape = raw.shape  # (in, out) in GGUF order
-        self.weight = dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype)  # (out, in)
+        self.use_kernels = use_kernels and kernels.supports(raw.qtype)
+        blocks = mx.array(np.ascontiguousarray(raw.data))  # (out, row_bytes)
+        if self.use_kernels:
+            self.blocks = blocks
+        else:
+            self.weight = dequantize(blocks, raw.qtype)  # (out, in)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x @ self.weight.T
+        if not self.use_kernels:
+            return x @ self.weight.T
+        if x.shape[0] <= kernels.MAX_BATCH:
+            return kernels.matvec(self.blocks, self.qtype, x)
+        return x @ dequantize(self.blocks, self.qtype).T
 
 
 class Embedding(nn.Module):
@@ -133,14 +151,14 @@ def output_gate(a: mx.array, gate: mx.array) -> mx.array:
 
 
 class Attention(nn.Module):
-    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor]):
+    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor], use_kernels: bool):
         super().__init__()
-        self.g, self.sliding = g, g.is_swa(layer)
+        self.g, self.sliding, self.use_kernels = g, g.is_swa(layer), use_kernels
         self.attn_norm = _vector(t["attn_norm"])
-        self.wq, self.wk, self.wv = Projection(t["attn_q"]), Projection(t["attn_k"]), Projection(t["attn_v"])
-        self.wgate = Projection(t["attn_gate"])
+        self.wq, self.wk, self.wv = (Projection(t[n], use_kernels) for n in ("attn_q", "attn_k", "attn_v"))
+        self.wgate = Projection(t["attn_gate"], use_kernels)
         self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
-        self.wo = Projection(t["attn_output"])
+        self.wo = Projection(t["attn_output"], use_kernels)
         self.post_norm = _vector(t["post_attention_norm"])
         self.scale = 1.0 / math.sqrt(g.head_dim)
 
@@ -157,6 +175,15 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k16 = k.astype(cache.dtype).transpose(1, 0, 2)   # (n_kv, L, hd): the cache's layout
         v16 = v.astype(cache.dtype).transpose(1, 0, 2)
+        if L == 1 and self.use_kernels and cache.dtype == mx.float16:
+            # One token: write its row first; the visible rows are then exactly the
+            # layer's first n_valid rows (a ring's oldest row left the window).
+            cache.append(k16, v16)
+            n_valid = min(cache.offset, cache.capacity)
+            chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
+            a = kernels.decode_attention(q[0], cache.keys, cache.values, n_valid, chunk).reshape(1, -1)
+            a = output_gate(a, gate)
+            return mx.fast.rms_norm(self.wo(a), self.post_norm, POST_NORM_EPS)
         old_k, old_v, old_pos = cache.view()
         keys = mx.concatenate([old_k, k16], axis=1)
         values = mx.concatenate([old_v, v16], axis=1)
@@ -168,11 +195,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, g: Geometry, t: dict[str, RawTensor]):
+    def __init__(self, g: Geometry, t: dict[str, RawTensor], use_kernels: bool):
         super().__init__()
         self.eps = g.rms_eps
         self.ffn_norm = _vector(t["ffn_norm"])
-        self.wgate, self.wup, self.wdown = Projection(t["ffn_gate"]), Projection(t["ffn_up"]), Projection(t["ffn_down"])
+        self.wgate, self.wup, self.wdown = (Projection(t[n], use_kernels) for n in ("ffn_gate", "ffn_up", "ffn_down"))
         self.post_norm = _vector(t["post_ffw_norm"])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -182,10 +209,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor]):
+    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor], use_kernels: bool):
         super().__init__()
-        self.attention = Attention(g, layer, t)
-        self.feed_forward = FeedForward(g, t)
+        self.attention = Attention(g, layer, t, use_kernels)
+        self.feed_forward = FeedForward(g, t, use_kernels)
 
     def __call__(self, x, positions, rope, cache):
         x = x + self.attention(x, positions, rope, cache)
@@ -193,21 +220,36 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """Muse Glimmer from a validated artifact."""
+    """Muse Glimmer from a validated artifact, on the kernel path when a GPU backend is present."""
 
-    def __init__(self, artifact: Artifact):
+    def __init__(self, artifact: Artifact, use_kernels: bool | None = None):
         super().__init__()
         self.artifact = artifact
+        self.backend = kernels.backend() if use_kernels is not False else None
+        if use_kernels and self.backend is None:
+            raise RuntimeError("the kernel path needs a Metal or CUDA device")
+        on_gpu = self.backend is not None
         g = self.geometry = artifact.geometry
         t = artifact.tensors
         self.embed = Embedding(t["token_embd.weight"])
         self.blocks = [
-            Block(g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS})
+            Block(g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}, on_gpu)
             for il in range(g.n_layer)
         ]
         self.output_norm = _vector(t["output_norm.weight"])
-        self.output = Projection(t["output.weight"])
+        self.output = Projection(t["output.weight"], on_gpu)
         mx.eval(self.parameters())
+
+    @property
+    def path(self) -> str:
+        return f"kernels ({self.backend})" if self.backend else "MLX ops (reference)"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the loaded weights occupy (raw blocks on the kernel path, dense f32 on the reference path)."""
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
 
     def make_cache(self, context: int | None = None, dtype=KV_DTYPE) -> SlotCache:
         return SlotCache(self.geometry, context or self.geometry.context_length, dtype)
@@ -220,8 +262,11 @@ class Model(nn.Module):
         positions = np.arange(cache.offset, cache.offset + L, dtype=np.int64)
         rope = rope_tables(positions, g.rope_dim, g.rope_base_swa)
         x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
+        dequantizing = self.backend is not None and L > kernels.MAX_BATCH
         for block, layer_cache in zip(self.blocks, cache.layers):
             x = block(x, positions, rope, layer_cache)
+            if dequantizing:  # bound the dequantized weights alive at once to one layer's
+                mx.eval(x, layer_cache.state())
         if not all_logits:
             x = x[-1:]
         logits = self.output(mx.fast.rms_norm(x, self.output_norm, g.rms_eps)) * g.logit_scale
@@ -243,10 +288,11 @@ class Model(nn.Module):
         return mx.concatenate(outs, axis=0) if all_logits else outs[-1]
 
 
-def load(path) -> Model:
+def load(path, use_kernels: bool | None = None) -> Model:
+    """Open, validate and load a GGUF; `use_kernels=False` forces the reference path."""
     from .artifact import open_artifact
 
-    return Model(open_artifact(path))
+    return Model(open_artifact(path), use_kernels)
 
 
 __all__ = ["Model", "load", "SlidingRing", "attention", "apply_rope", "rope_tables"]

@@ -1,0 +1,33 @@
+// GGUF block decoding shared by the kernels (ggml-common.h layouts). Header text, after the dialect map.
+#define LOAD_U4(p) (*((GLOBAL_CONST(uint4)*)(p)))
+#define LOAD_U32(p) (*((GLOBAL_CONST(uint32_t)*)(p)))
+#define LOAD_U16(p) (*((GLOBAL_CONST(uint16_t)*)(p)))
+#define LOAD_F4(p) (*((GLOBAL_CONST(float4)*)(p)))
+
+// A little-endian f16 stored at p (any alignment).
+template <typename P> inline float f16_at(P p) {
+  return HALF_BITS_TO_FLOAT(uint32_t(p[0]) | (uint32_t(p[1]) << 8));
+}
+
+// Q4_K / Q5_K: the 6-bit scale (x) and min (y) of 32-value group g from the 12 packed bytes at s.
+template <typename P> inline float2 k4_scale_min(int g, P s) {
+  if (g < 4) return MAKE_FLOAT2(float(s[g] & 63), float(s[g + 4] & 63));
+  return MAKE_FLOAT2(float((s[g + 4] & 0xF) | ((s[g - 4] >> 6) << 4)),
+                     float((s[g + 4] >> 4) | ((s[g] >> 6) << 4)));
+}
+
+// NVFP4 scale byte -> float, as ggml_ue4m3_to_fp32 (top bit ignored, 0x00 and 0x7F -> 0),
+// including its factor 0.5 (the E2M1 codes below are doubled).
+inline float ue4m3_half(uint32_t x) {
+  if (x == 0u || x == 0x7Fu) return 0.0f;
+  const uint32_t e = (x >> 3) & 15u, m = x & 7u;
+  if (e == 0u) return float(m) * 0.0009765625f;            // m * 2^-9 * 0.5
+  return BITS_TO_FLOAT(((e + 119u) << 23) | (m << 20));    // (1 + m/8) * 2^(e-7) * 0.5
+}
+
+// An E2M1 code, doubled: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives (ggml's kvalues_mxfp4).
+inline float e2m1x2(uint32_t c) {
+  const uint32_t m = c & 7u;
+  const float v = m < 4u ? float(m) : float((2u + (m & 1u)) << ((m >> 1) - 1u));
+  return (c & 8u) ? -v : v;
+}

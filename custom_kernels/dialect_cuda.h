@@ -1,0 +1,19 @@
+// CUDA side of the dialect map: goes into the kernel's `header` (helpers and types).
+// Every kernel body in this folder is written once against these names.
+#define GLOBAL_CONST(T) const T
+#define LOCAL(T) T
+#define BITS_TO_FLOAT(u) __uint_as_float(uint32_t(u))
+#define HALF_BITS_TO_FLOAT(u) __half2float(__ushort_as_half(uint16_t(u)))
+#define EXPF(x) expf(x)
+#define SQRTF(x) sqrtf(x)
+#define FMAXF(a, b) fmaxf(a, b)
+#define NEG_INF (-__uint_as_float(0x7f800000u))
+#define MAKE_FLOAT2(a, b) make_float2(a, b)
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}

@@ -1,0 +1,13 @@
+// Metal side of the dialect map: goes into the kernel's `header` (helpers and types).
+// Every kernel body in this folder is written once against these names.
+#define GLOBAL_CONST(T) const device T
+#define LOCAL(T) thread T
+#define BITS_TO_FLOAT(u) as_type<float>(uint32_t(u))
+#define HALF_BITS_TO_FLOAT(u) float(as_type<half>(uint16_t(u)))
+#define EXPF(x) metal::exp(x)
+#define SQRTF(x) metal::sqrt(x)
+#define FMAXF(a, b) metal::max(a, b)
+#define NEG_INF (-INFINITY)
+#define MAKE_FLOAT2(a, b) float2(a, b)
+inline float warp_sum(float v) { return simd_sum(v); }
+inline float warp_max(float v) { return simd_max(v); }

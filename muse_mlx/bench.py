@@ -1,0 +1,271 @@
+"""`python -m muse_mlx.bench`: decode and prefill throughput on the kernel path, with a receipt.
+
+Cells (each: warm-up, then --reps repetitions; mean and CV of tok/s):
+- decode: batch 1, greedy, one token per step with a host sync per token (as generation
+  runs), at each --depths value. The KV cache is filled to the depth with random f16
+  rows (timing depends on the sizes, not the values); labelled so in the receipt.
+- prefill: --prefill lengths from an empty cache, chunks of 512.
+- matvecs only: one token's 8 x n_layer + 1 projections, our raw-block kernels against
+  MLX's built-in affine 4-bit `quantized_matmul` (group 32) on the same weights.
+Effective GB/s = bytes streamed per token (envelope.py: weights once, the embedding row,
+KV read and written at the depth) x tok/s; also as a fraction of the read bandwidth
+measured in the same process. `--combine` folds a llama-bench JSON from the same session
+into the receipt with the ratios llama.cpp ÷ muse_mlx (above 1: we are slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MuseError
+
+
+def _stats(samples: list[float]) -> dict:
+    mean = statistics.fmean(samples)
+    cv = statistics.stdev(samples) / mean if len(samples) > 1 and mean else 0.0
+    return {"mean": mean, "cv": cv, "samples": samples}
+
+
+def read_bandwidth_gbps(gigabytes: float = 8.0, reps: int = 5) -> dict:
+    """Read bandwidth as MLX's sum over a large float32 array (bytes read / time)."""
+    n = int(gigabytes * 1e9 / 4)
+    a = mx.random.uniform(shape=(n,), dtype=mx.float32)
+    mx.eval(a)
+    mx.eval(mx.sum(a))
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(mx.sum(a))
+        samples.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+    del a
+    mx.clear_cache()
+    return _stats(samples)
+
+
+def fill_kv(cache, depth: int, seed: int = 0) -> None:
+    """Put `depth` positions of random f16 K/V rows into every layer (synthetic content)."""
+    key = mx.random.key(seed)
+    for layer in cache.layers:
+        key, k1, k2 = mx.random.split(key, 3)
+        layer.keys = (0.5 * mx.random.normal(layer.keys.shape, key=k1)).astype(layer.keys.dtype)
+        layer.values = mx.random.normal(layer.values.shape, key=k2).astype(layer.values.dtype)
+        layer.offset = depth
+    mx.eval(cache.state())
+
+
+def rewind(cache, depth: int) -> None:
+    for layer in cache.layers:
+        layer.offset = depth
+
+
+def decode_cell(model, depth: int, tokens: int, reps: int, warmup: int) -> dict:
+    cache = model.make_cache(depth + tokens + 1)
+    fill_kv(cache, depth)
+
+    def one_rep() -> float:
+        rewind(cache, depth)
+        token = 1
+        t = time.perf_counter()
+        for _ in range(tokens):
+            logits = model(mx.array([token]), cache, all_logits=False)
+            token = int(mx.argmax(logits[-1]).item())
+        return tokens / (time.perf_counter() - t)
+
+    for _ in range(warmup):
+        one_rep()
+    samples = [one_rep() for _ in range(reps)]
+    return {"depth": depth, "tokens_per_rep": tokens, "kv_fill": "random f16 rows (synthetic)",
+            "tok_s": _stats(samples)}
+
+
+def prefill_cell(model, length: int, reps: int, warmup: int) -> dict:
+    tokens = mx.array(np.random.default_rng(length).integers(0, model.geometry.n_vocab, length))
+
+    def one_rep() -> float:
+        cache = model.make_cache(length + 1)
+        t = time.perf_counter()
+        logits = model.prefill(tokens, cache)
+        mx.eval(logits)
+        return length / (time.perf_counter() - t)
+
+    for _ in range(warmup):
+        one_rep()
+    return {"length": length, "tok_s": _stats([one_rep() for _ in range(reps)])}
+
+
+def projections(model) -> list:
+    out = []
+    for block in model.blocks:
+        a, f = block.attention, block.feed_forward
+        out += [a.wq, a.wk, a.wv, a.wgate, a.wo, f.wgate, f.wup, f.wdown]
+    return out + [model.output]
+
+
+def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
+    """One token's projections only: our kernels against MLX's affine 4-bit quantized_matmul."""
+    from . import kernels
+    from .quant import dequantize
+
+    projs = projections(model)
+    xs = {p.shape[0]: mx.random.normal((1, p.shape[0])) for p in projs}
+    mx.eval(list(xs.values()))
+    xs16 = {k: v.astype(mx.float16) for k, v in xs.items()}
+    quantized = []
+    for p in projs:  # MLX's usual configuration: float16 activations, scales and biases
+        wq, scales, biases = mx.quantize(dequantize(p.blocks, p.qtype).astype(mx.float16), group_size=32, bits=4)
+        mx.eval(wq, scales, biases)
+        quantized.append((wq, scales, biases))
+        mx.clear_cache()
+
+    def ours():
+        return [kernels.matvec(p.blocks, p.qtype, xs[p.shape[0]]) for p in projs]
+
+    def mlx_qmm():
+        return [mx.quantized_matmul(xs16[p.shape[0]], wq, s, b, transpose=True, group_size=32, bits=4)
+                for p, (wq, s, b) in zip(projs, quantized)]
+
+    def time_it(fn) -> list[float]:
+        for _ in range(warmup):
+            mx.eval(fn())
+        samples = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            mx.eval(fn())
+            samples.append((time.perf_counter() - t) * 1e3)
+        return samples
+
+    ours_ms, qmm_ms = time_it(ours), time_it(mlx_qmm)
+    qmm_bytes = sum(wq.nbytes + s.nbytes + b.nbytes for wq, s, b in quantized)
+    return {"projections": len(projs), "ours_ms": _stats(ours_ms), "mlx_qmm_ms": _stats(qmm_ms),
+            "ours_weight_bytes": sum(p.blocks.nbytes for p in projs), "mlx_qmm_weight_bytes": qmm_bytes,
+            "note": "MLX 4-bit affine, group 32, float16 activations/scales, from our dequantized weights "
+                    "(Q6_K tensors re-quantized to 4 bits); ours: raw GGUF blocks, float32 activations"}
+
+
+def run_bench(args) -> dict:
+    from .artifact import open_artifact
+    from .envelope import envelope
+    from .model import Model
+
+    artifact = open_artifact(args.model)
+    t = time.perf_counter()
+    model = Model(artifact)
+    load_s = time.perf_counter() - t
+    if model.backend is None:
+        raise MuseError("bench measures the kernel path: no Metal or CUDA device here")
+    g = model.geometry
+    types = {n: t.qtype for n, t in artifact.tensors.items()}
+    bw = read_bandwidth_gbps()
+    out = {"model": str(args.model), "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
+           "read_bandwidth_gbps": bw, "decode": [], "prefill": []}
+    for depth in args.depths:
+        cell = decode_cell(model, depth, args.decode_tokens, args.reps, args.warmup)
+        e = envelope(g, types, artifact.file_bytes, "file", depth)
+        tok_s = cell["tok_s"]["mean"]
+        cell.update(bytes_per_token=e.token_bytes, ms_per_token=1e3 / tok_s,
+                    effective_gbps=e.token_bytes * tok_s / 1e9,
+                    fraction_of_read_bw=e.token_bytes * tok_s / 1e9 / bw["mean"])
+        out["decode"].append(cell)
+        print(f"decode depth {depth:>6}: {tok_s:8.2f} tok/s (CV {cell['tok_s']['cv']:.2%}), "
+              f"{cell['ms_per_token']:.3f} ms, {cell['effective_gbps']:.0f} GB/s = "
+              f"{cell['fraction_of_read_bw']:.1%} of {bw['mean']:.0f} GB/s read", flush=True)
+    for length in args.prefill:
+        cell = prefill_cell(model, length, args.reps, args.warmup)
+        out["prefill"].append(cell)
+        print(f"prefill {length:>5}: {cell['tok_s']['mean']:8.1f} tok/s (CV {cell['tok_s']['cv']:.2%})", flush=True)
+    if args.matvecs:
+        cell = matvec_chain_cell(model, args.reps, args.warmup)
+        out["matvecs_only"] = cell
+        print(f"matvecs only: ours {cell['ours_ms']['mean']:.3f} ms, MLX quantized_matmul "
+              f"{cell['mlx_qmm_ms']['mean']:.3f} ms per token", flush=True)
+    if out["decode"]:
+        out["decode_tok_s"] = out["decode"][0]["tok_s"]
+    return out
+
+
+def combine(ours_path, llama_path) -> dict:
+    """Ratios llama.cpp ÷ muse_mlx (tok/s) from llama-bench's JSON (-o json) and our bench receipt."""
+    ours = json.loads(Path(ours_path).read_text())
+    llama = json.loads(Path(llama_path).read_text())
+    m = ours["metrics"]
+    ratios = []
+    for rec in llama:
+        n_prompt, n_gen, depth = rec.get("n_prompt", 0), rec.get("n_gen", 0), rec.get("n_depth", 0)
+        entry = {"llama": {"n_prompt": n_prompt, "n_gen": n_gen, "depth": depth, "avg_ts": rec["avg_ts"],
+                           "stddev_ts": rec["stddev_ts"], "samples_ts": rec.get("samples_ts")}}
+        if n_gen and not n_prompt:
+            mine = next((c for c in m["decode"] if c["depth"] == depth), None)
+            if mine:
+                entry.update(cell=f"decode depth {depth}", ours_tok_s=mine["tok_s"]["mean"],
+                             ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
+        elif n_prompt and not n_gen:
+            mine = next((c for c in m["prefill"] if c["length"] == n_prompt), None)
+            if mine:
+                entry.update(cell=f"prefill {n_prompt}", ours_tok_s=mine["tok_s"]["mean"],
+                             ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
+        ratios.append(entry)
+    return {"ours": ours, "llama_bench": llama, "ratios": ratios}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise MuseError(f"expected comma-separated integers, got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise MuseError(f"{self.prog}: {message}")
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="python -m muse_mlx.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a muse-glimmer GGUF (the numbers are as synthetic as the file)")
+    p.add_argument("--depths", default="0,32768", help="decode depths (default %(default)s)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode repetition (default %(default)s)")
+    p.add_argument("--prefill", default="512,2048", help="prefill lengths (default %(default)s)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-matvecs", dest="matvecs", action="store_false", help="skip the matvec-only comparison")
+    p.add_argument("--receipt", help="write the receipt here")
+    p.add_argument("--combine", nargs=2, metavar=("OURS_JSON", "LLAMA_BENCH_JSON"),
+                   help="fold a llama-bench -o json result into our receipt, with ratios")
+    p.add_argument("--synthetic", action="store_true", help="label the numbers synthetic (random-block fixture)")
+    try:
+        args = p.parse_args(argv)
+        from .receipts import make_receipt, write_receipt
+
+        if args.combine:
+            data = combine(*args.combine)
+            for r in data["ratios"]:
+                if "ratio_llama_over_ours" in r:
+                    print(f"{r['cell']}: llama.cpp {r['llama']['avg_ts']:.2f} tok/s, ours {r['ours_tok_s']:.2f} tok/s, "
+                          f"ratio llama/ours {r['ratio_llama_over_ours']:.3f}")
+            receipt = make_receipt("bench/compare", inputs={"ours": args.combine[0], "llama_bench": args.combine[1]},
+                                   metrics=data, synthetic=data["ours"].get("synthetic"))
+        else:
+            if not args.model:
+                raise MuseError("--model is required")
+            args.depths, args.prefill = _ints(args.depths), _ints(args.prefill)
+            metrics = run_bench(args)
+            receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {"model": str(args.model)},
+                                   metrics=metrics, synthetic=args.synthetic)
+        if args.receipt:
+            print(f"receipt: {write_receipt(args.receipt, receipt)}")
+        return 0
+    except MuseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Device call A (the lent H200; see ../shared/device/README.md): MLX's CUDA backend from
+# .device/part2, the pinned llama.cpp CUDA build started in the background (from
+# .device/llama-src.tar.xz, the trimmed vendored tree), every kernel verified (tests/gpu),
+# the full-geometry bench GGUF written, our benchmark run. Everything lands in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source .device/part2/env.sh || exit 1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
+
+mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama
+setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > /tmp/llama/build.log 2>&1 \
+  && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
+  > /dev/null 2>&1 < /dev/null &
+
+MUSE_GPU_RECEIPT="$OUT/verification.json" timeout 330 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 \
+  | tail -60 > "$OUT/gpu-tests.log"
+tail -25 "$OUT/gpu-tests.log"
+
+python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
+timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --receipt "$OUT/bench-ours.json" 2>&1 \
+  | tee "$OUT/bench.log"
+echo "llama.cpp build: $(cat /tmp/llama/build.rc 2>/dev/null || echo running)"; tail -2 /tmp/llama/build.log

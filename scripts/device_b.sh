@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Device call B, on the machine call A left warm: llama-bench on the same file, our bench
+# again (interleaved in the same session), and the combined receipt with the ratios.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source ~/.muse-device/env.sh || exit 1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
+echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -3 /tmp/llama/build.log
+LB=/tmp/llama/llama.cpp/build/bin/llama-bench
+(cd /tmp/llama/llama.cpp && git rev-parse HEAD 2>/dev/null); $LB --version 2>&1 | head -3
+$LB -m /tmp/bench.gguf -ngl 99 -fa 1 -r 5 -p 512,2048 -n 0 -o json > "$OUT/llama-prefill.json" 2> "$OUT/llama-prefill.err"
+$LB -m /tmp/bench.gguf -ngl 99 -fa 1 -r 5 -p 0 -n 128 -d 0,32768 -o json > "$OUT/llama-decode.json" 2> "$OUT/llama-decode.err"
+python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+rows = []
+for name in ("llama-prefill.json", "llama-decode.json"):
+    try:
+        rows += json.loads((out / name).read_text())
+    except Exception as exc:
+        print(name, "unreadable:", exc)
+(out / "llama-bench.json").write_text(json.dumps(rows, indent=1))
+for r in rows:
+    print(f"llama.cpp p={r.get('n_prompt')} n={r.get('n_gen')} d={r.get('n_depth')}: {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} tok/s")
+PY
+timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --no-matvecs \
+  --receipt "$OUT/bench-ours-after-llama.json" 2>&1 | tee "$OUT/bench-2.log"
+python3 -m muse_mlx.bench --combine "$OUT/bench-ours-after-llama.json" "$OUT/llama-bench.json" \
+  --receipt "$OUT/bench-compare.json"

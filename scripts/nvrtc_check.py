@@ -1,0 +1,81 @@
+"""Compile every CUDA instantiation of custom_kernels/ with NVRTC, no GPU needed (a developer check).
+
+It wraps each body the way MLX 0.32's cuda_kernel does (mlx/backend/cuda/custom_kernel.cpp:
+the MLX device utils include, our header, then `__global__ void` with `const T*` inputs,
+`T*` outputs and the template constants as constexpr) and compiles it for sm_90a with MLX's
+NVRTC flags, printing registers-free diagnostics. Needs:
+  MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*)
+  MUSE_MLX_CUDA_INCLUDE  a folder holding mlx/backend/cuda/device/{utils.cuh,complex.cuh,config.h}
+  CUDA include folders (default /usr/local/cuda/include and /usr/local/cuda/include/cccl)
+Usage: python scripts/nvrtc_check.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from muse_mlx.kernels import KERNELS, render  # noqa: E402
+
+CUDA_T = {"uint8": "uint8_t", "int32": "int32_t", "float16": "__half", "bfloat16": "__nv_bfloat16",
+          "float32": "float"}
+
+# (kernel, input dtypes, output dtypes, template) to instantiate.
+CASES = [
+    *[(f"matvec_{v}", ["uint8", "float32", "float32"], ["float32"],
+       [("K", 6656), ("N", 4096), ("B", b), ("RPT", 4)]) for v in ("q4_k", "q5_k", "q6_k", "q8_0", "nvfp4")
+      for b in (1, 8)],
+    *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
+      for wt in ("float32", "float16", "bfloat16")],
+    ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
+     [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 256)]),
+    ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
+     [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64)]),
+    ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128)]),
+]
+
+
+def wrap(name: str, header: str, source: str, inputs, in_types, outputs, out_types, template) -> str:
+    s = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+    s += header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    s += f"__global__ void {name}(\n"
+    s += "".join(f"    const {CUDA_T[t]}* {n},\n" for n, t in zip(inputs, in_types))
+    s += ",\n".join(f"    {CUDA_T[t]}* {n}" for n, t in zip(outputs, out_types)) + ") {\n"
+    for k, v in template:
+        s += f"  using {k} = {CUDA_T[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+    return s + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def main() -> int:
+    lib = ctypes.CDLL(os.environ["MUSE_NVRTC_LIB"])
+    includes = [os.environ["MUSE_MLX_CUDA_INCLUDE"], "/usr/local/cuda/include/cccl", "/usr/local/cuda/include"]
+    failures = 0
+    for kname, in_types, out_types, template in CASES:
+        family, parts, inputs, outputs = KERNELS[kname]
+        header, source = render(family, parts, "cuda")
+        fn = f"custom_kernel_muse_{kname}"
+        text = wrap(fn, header, source, inputs, in_types, outputs, out_types, template)
+        prog = ctypes.c_void_p()
+        lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), f"{fn}.cu".encode(), 0, None, None)
+        opts = [b"--device-as-default-execution-space", b"--gpu-architecture=sm_90a"] + \
+               [f"--include-path={p}".encode() for p in includes]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        n = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value + 1)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        status = "ok" if rc == 0 else "FAILED"
+        print(f"{kname:20s} {dict(template)}: {status}")
+        text_log = log.value.decode().strip()
+        if text_log:
+            print("   " + "\n   ".join(text_log.splitlines()[:20]))
+        failures += rc != 0
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
