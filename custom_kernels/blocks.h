@@ -31,3 +31,12 @@ inline float e2m1x2(uint32_t c) {
   const float v = m < 4u ? float(m) : float((2u + (m & 1u)) << ((m >> 1) - 1u));
   return (c & 8u) ? -v : v;
 }
+
+// Q4_K / Q5_K scale and min of group g from the 12 scale bytes held as three little-endian
+// words (bytes 0-3, 4-7, 8-11): the same unpacking as k4_scale_min, from registers.
+inline float2 k4_scale_min_words(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
+  if (g < 4) return MAKE_FLOAT2(float((s0 >> (8 * g)) & 63u), float((s1 >> (8 * g)) & 63u));
+  const int k = 8 * (g - 4);
+  return MAKE_FLOAT2(float(((s2 >> k) & 15u) | (((s0 >> k) >> 6 & 3u) << 4)),
+                     float(((s2 >> k) >> 4 & 15u) | (((s1 >> k) >> 6 & 3u) << 4)));
+}

@@ -9,6 +9,7 @@
 #define FMAXF(a, b) fmaxf(a, b)
 #define NEG_INF (-__uint_as_float(0x7f800000u))
 #define MAKE_FLOAT2(a, b) make_float2(a, b)
+#define UNROLL_FULL _Pragma("unroll")
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

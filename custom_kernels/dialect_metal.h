@@ -9,5 +9,6 @@
 #define FMAXF(a, b) metal::max(a, b)
 #define NEG_INF (-INFINITY)
 #define MAKE_FLOAT2(a, b) float2(a, b)
+#define UNROLL_FULL _Pragma("clang loop unroll(full)")
 inline float warp_sum(float v) { return simd_sum(v); }
 inline float warp_max(float v) { return simd_max(v); }

@@ -5,7 +5,7 @@ Cells (each: warm-up, then --reps repetitions; mean and CV of tok/s):
   runs), at each --depths value. The KV cache is filled to the depth with random f16
   rows (timing depends on the sizes, not the values); labelled so in the receipt.
 - prefill: --prefill lengths from an empty cache, chunks of 512.
-- matvecs only: one token's 8 x n_layer + 1 projections, our raw-block kernels against
+- matvecs only: one token's projections (as launched: Q|K|gate and FFN gate|up stacked), our raw-block kernels against
   MLX's built-in affine 4-bit `quantized_matmul` (group 32) on the same weights.
 Effective GB/s = bytes streamed per token (envelope.py: weights once, the embedding row,
 KV read and written at the depth) x tok/s; also as a fraction of the read bandwidth
@@ -101,20 +101,12 @@ def prefill_cell(model, length: int, reps: int, warmup: int) -> dict:
     return {"length": length, "tok_s": _stats([one_rep() for _ in range(reps)])}
 
 
-def projections(model) -> list:
-    out = []
-    for block in model.blocks:
-        a, f = block.attention, block.feed_forward
-        out += [a.wq, a.wk, a.wv, a.wgate, a.wo, f.wgate, f.wup, f.wdown]
-    return out + [model.output]
-
-
 def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
     """One token's projections only: our kernels against MLX's affine 4-bit quantized_matmul."""
     from . import kernels
     from .quant import dequantize
 
-    projs = projections(model)
+    projs = model.projections()
     xs = {p.shape[0]: mx.random.normal((1, p.shape[0])) for p in projs}
     mx.eval(list(xs.values()))
     xs16 = {k: v.astype(mx.float16) for k, v in xs.items()}

@@ -69,6 +69,7 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
+    **{f"matvec_wide_{v}": ("matvec_wide", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine"], ["part_o", "part_ml", "params"], ["out"]),
 }
@@ -88,6 +89,19 @@ def kernel(name: str, which: str | None = None):
 # ---- matvec ----------------------------------------------------------------------------
 
 
+WIDE_VARIANTS = {QT.Q4_K: ("q4_k", 8), QT.Q6_K: ("q6_k", 16)}   # units per 256 values
+WIDE_ROWS = 16          # output rows per threadgroup in the one-token kernels
+
+
+def _threads_for(units: int) -> int:
+    """Threads per threadgroup (a multiple of 32, 128..256) leaving the fewest idle unit slots."""
+    return min(range(256, 127, -32), key=lambda t: (-(-units // t)) * t - units)
+
+
+def wide_enabled() -> bool:
+    return os.environ.get("MUSE_MLX_MATVEC", "") != "simple"
+
+
 def supports(qtype: QT) -> bool:
     return qtype in QUANT_VARIANTS or qtype in FLOAT_DTYPES
 
@@ -101,6 +115,14 @@ def matvec(w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None)
         raise ValueError(f"matvec takes 1..{MAX_BATCH} rows, got {B}")
     x = x.astype(mx.float32)
     N = w.shape[0]
+    if B == 1 and qtype in WIDE_VARIANTS and wide_enabled():
+        variant, per_block = WIDE_VARIANTS[qtype]
+        tpg = _threads_for(K // 256 * per_block)
+        groups = -(-N // WIDE_ROWS)
+        return kernel(f"matvec_wide_{variant}")(
+            inputs=[w, x.reshape(-1)], template=[("K", K), ("N", N), ("R", WIDE_ROWS), ("TPG", tpg)],
+            grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
+            output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
     groups = -(-N // ROWS_PER_GROUP)
     launch = dict(grid=(groups * ROWS_PER_GROUP * 32, 1, 1), threadgroup=(ROWS_PER_GROUP * 32, 1, 1),
                   output_shapes=[(B, N)], output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)

@@ -43,23 +43,29 @@ _SCORE_BLOCK_BYTES = 256 * 2**20
 
 
 class Projection(nn.Module):
-    """y = x W^T for a GGUF matrix of any supported type.
+    """y = x W^T for a GGUF matrix of any supported type (or several of one type, stacked by rows).
 
     Reference path: dense float32 weights, dequantized once at load. Kernel path: the raw
-    blocks, multiplied in place by the matvec kernel for up to kernels.MAX_BATCH rows;
-    a longer chunk (prefill) dequantizes the matrix for that one product.
+    blocks, multiplied in place by the matvec kernels for up to kernels.MAX_BATCH rows;
+    a longer chunk (prefill) dequantizes the matrix for that one product. Stacking the
+    rows of matrices that read the same input (Q, K and gate; FFN gate and up) makes one
+    launch of them; the blocks themselves are not changed.
     """
 
-    def __init__(self, raw: RawTensor, use_kernels: bool):
+    def __init__(self, raws: RawTensor | list[RawTensor], use_kernels: bool):
         super().__init__()
-        self.qtype = raw.qtype
-        self.shape = raw.shape  # (in, out) in GGUF order
-        self.use_kernels = use_kernels and kernels.supports(raw.qtype)
-        blocks = mx.array(np.ascontiguousarray(raw.data))  # (out, row_bytes)
+        raws = raws if isinstance(raws, list) else [raws]
+        self.qtype = raws[0].qtype
+        if any(r.qtype != self.qtype or r.shape[0] != raws[0].shape[0] for r in raws):
+            raise ValueError("stacked projections need one type and one row length")
+        self.shape = (raws[0].shape[0], sum(r.shape[1] for r in raws))  # (in, out) in GGUF order
+        self.use_kernels = use_kernels and kernels.supports(self.qtype)
+        blocks = mx.concatenate([mx.array(np.ascontiguousarray(r.data)) for r in raws]) if len(raws) > 1 \
+            else mx.array(np.ascontiguousarray(raws[0].data))  # (out, row_bytes)
         if self.use_kernels:
             self.blocks = blocks
         else:
-            self.weight = dequantize(blocks, raw.qtype)  # (out, in)
+            self.weight = dequantize(blocks, self.qtype)  # (out, in)
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.use_kernels:
@@ -67,6 +73,10 @@ class Projection(nn.Module):
         if x.shape[0] <= kernels.MAX_BATCH:
             return kernels.matvec(self.blocks, self.qtype, x)
         return x @ dequantize(self.blocks, self.qtype).T
+
+
+def _stackable(raws: list[RawTensor]) -> bool:
+    return len({r.qtype for r in raws}) == 1
 
 
 class Embedding(nn.Module):
@@ -155,8 +165,12 @@ class Attention(nn.Module):
         super().__init__()
         self.g, self.sliding, self.use_kernels = g, g.is_swa(layer), use_kernels
         self.attn_norm = _vector(t["attn_norm"])
-        self.wq, self.wk, self.wv = (Projection(t[n], use_kernels) for n in ("attn_q", "attn_k", "attn_v"))
-        self.wgate = Projection(t["attn_gate"], use_kernels)
+        qkg = [t["attn_q"], t["attn_k"], t["attn_gate"]]
+        if use_kernels and _stackable(qkg):  # one launch for the three projections of h
+            self.wqkg = Projection(qkg, use_kernels)
+        else:
+            self.wq, self.wk, self.wgate = (Projection(r, use_kernels) for r in qkg)
+        self.wv = Projection(t["attn_v"], use_kernels)
         self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
         self.wo = Projection(t["attn_output"], use_kernels)
         self.post_norm = _vector(t["post_attention_norm"])
@@ -165,10 +179,14 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
         g, L = self.g, x.shape[0]
         h = mx.fast.rms_norm(x, self.attn_norm, g.rms_eps)
-        q = self.wq(h).reshape(L, g.n_head, g.head_dim)
-        k = self.wk(h).reshape(L, g.n_head_kv, g.head_dim)
+        if "wqkg" in self:
+            qkg = self.wqkg(h)
+            q, k, gate = qkg[:, :g.q_dim], qkg[:, g.q_dim:g.q_dim + g.kv_dim], qkg[:, g.q_dim + g.kv_dim:]
+        else:
+            q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
+        q = q.reshape(L, g.n_head, g.head_dim)
+        k = k.reshape(L, g.n_head_kv, g.head_dim)
         v = self.wv(h).reshape(L, g.n_head_kv, g.head_dim)
-        gate = self.wgate(h)
         q = mx.fast.rms_norm(q, self.q_norm, g.rms_eps)
         k = mx.fast.rms_norm(k, self.k_norm, g.rms_eps)
         if self.sliding:
@@ -199,12 +217,22 @@ class FeedForward(nn.Module):
         super().__init__()
         self.eps = g.rms_eps
         self.ffn_norm = _vector(t["ffn_norm"])
-        self.wgate, self.wup, self.wdown = (Projection(t[n], use_kernels) for n in ("ffn_gate", "ffn_up", "ffn_down"))
+        self.n_ff = g.n_ff
+        if use_kernels and _stackable([t["ffn_gate"], t["ffn_up"]]):  # one launch for gate and up
+            self.wgate_up = Projection([t["ffn_gate"], t["ffn_up"]], use_kernels)
+        else:
+            self.wgate, self.wup = Projection(t["ffn_gate"], use_kernels), Projection(t["ffn_up"], use_kernels)
+        self.wdown = Projection(t["ffn_down"], use_kernels)
         self.post_norm = _vector(t["post_ffw_norm"])
 
     def __call__(self, x: mx.array) -> mx.array:
         h = mx.fast.rms_norm(x, self.ffn_norm, self.eps)
-        f = self.wdown(nn.silu(self.wgate(h)) * self.wup(h))
+        if "wgate_up" in self:
+            gu = self.wgate_up(h)
+            gate, up = gu[:, :self.n_ff], gu[:, self.n_ff:]
+        else:
+            gate, up = self.wgate(h), self.wup(h)
+        f = self.wdown(nn.silu(gate) * up)
         return mx.fast.rms_norm(f, self.post_norm, POST_NORM_EPS)
 
 
@@ -243,6 +271,10 @@ class Model(nn.Module):
     @property
     def path(self) -> str:
         return f"kernels ({self.backend})" if self.backend else "MLX ops (reference)"
+
+    def projections(self) -> list[Projection]:
+        """Every matrix product of one step, as launched (stacked ones count once)."""
+        return [m for m in self.modules() if isinstance(m, Projection)]
 
     @property
     def weight_bytes(self) -> int:

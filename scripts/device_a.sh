@@ -16,7 +16,7 @@ setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE
   && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
   > /dev/null 2>&1 < /dev/null &
 
-MUSE_GPU_RECEIPT="$OUT/verification.json" timeout 330 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf 2>&1 \
+MUSE_GPU_RECEIPT="$OUT/verification.json" timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf --tb=line 2>&1 \
   | tail -60 > "$OUT/gpu-tests.log"
 tail -25 "$OUT/gpu-tests.log"
 

@@ -53,10 +53,13 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 5, 8])
 def test_matvec(qtype, shape, batch):
-    if shape[0] == 202048 and (batch == 3 or qtype not in (QT.Q6_K, QT.Q4_K)):
-        pytest.skip("LM head: Q6_K (its type in Q4_K_M) and Q4_K, batch 1 and 8")
+    """Batch 1 is the one-token kernel (matvec_wide) for Q4_K and Q6_K, the simple one otherwise."""
+    if shape[0] == 202048 and (batch != 1 or qtype not in (QT.Q6_K, QT.Q4_K)):
+        pytest.skip("LM head: Q6_K (its type in Q4_K_M) and Q4_K, one token")
+    if batch == 8 and shape != (4096, 6656):
+        pytest.skip("batch 8 at one shape; 5 covers the others")
     n, k = shape
     rng = np.random.default_rng([SEED, n, k, batch, int(qtype)])
     w = mx.array(random_blocks(n, k, qtype, rng))
@@ -113,7 +116,7 @@ def test_decode_attention(kind, cap, n_valid):
     err = rel_err(out.astype(np.float64), ref)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
     record("decode_attention", kind=kind, cap=cap, n_valid=n_valid, rel_err=err, **{"pass": ok})
-    assert ok, err
+    assert ok, (err, int(np.isnan(out).sum()), out[0, :4], ref[0, :4])
 
 
 def test_decode_attention_other_geometry():
@@ -161,9 +164,9 @@ def fixture_files(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_K_M-random", "NVFP4-random"])
 def test_kernel_path_logits_match_reference_path(fixture_files, name):
-    """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 110 decode
-    steps (kernel matvecs + kernel attention) across the 64-row ring's wrap."""
-    tokens = np.random.default_rng([SEED, 7]).integers(0, DEFAULT_GEOMETRY.n_vocab, 213)
+    """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 57 decode
+    steps (one-token matvecs + kernel attention) over wrapped 64-row rings."""
+    tokens = np.random.default_rng([SEED, 7]).integers(0, DEFAULT_GEOMETRY.n_vocab, 160)
     ours = run(fixture_files[name], tokens, 103, use_kernels=True)
     ref = run(fixture_files[name], tokens, 103, use_kernels=False)
     d = np.abs(log_softmax(ours) - log_softmax(ref))
