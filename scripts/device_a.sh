@@ -16,9 +16,9 @@ setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE
   && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
   > /dev/null 2>&1 < /dev/null &
 
-MUSE_GPU_RECEIPT="$OUT/verification.json" timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider -rf --tb=line 2>&1 \
-  | tail -60 > "$OUT/gpu-tests.log"
-tail -25 "$OUT/gpu-tests.log"
+MUSE_GPU_RECEIPT="$OUT/verification.json" timeout 300 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf \
+  --tb=line > "$OUT/gpu-tests.log" 2>&1
+grep -E "PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | awk '{print $2}' | sort | uniq -c; grep -E "^FAILED|Error" "$OUT/gpu-tests.log" | head -12
 
 python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
 timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --receipt "$OUT/bench-ours.json" 2>&1 \
