@@ -31,8 +31,8 @@ SHAPES = [(4096, 6656), (19968, 6656), (6656, 19968), (202048, 6656)]
 TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.NVFP4]
 
 
-def record(kind, **fields):
-    RESULTS.append({"check": kind, **fields})
+def record(check, **fields):
+    RESULTS.append({"check": check, **fields})
 
 
 @pytest.fixture(scope="session", autouse=True)
