@@ -44,7 +44,7 @@ class Stats:
     generation_seconds: float = 0.0
     stopped_by: str = "max-tokens"
 
-    def lines(self, cache: SlotCache) -> list[str]:
+    def lines(self, cache: SlotCache, model) -> list[str]:
         def rate(n, s):
             return f"{n / s:.2f} tok/s" if s > 0 and n else "n/a"
 
@@ -53,7 +53,8 @@ class Stats:
             f"prompt: {self.prompt_tokens} tokens, {rate(self.prompt_tokens, self.prompt_seconds)}",
             f"generation: {self.generated_tokens} tokens, {rate(self.generated_tokens, self.generation_seconds)}"
             f" (stopped by {self.stopped_by})",
-            f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB",
+            f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB; weights {model.weight_bytes:,} bytes on the "
+            f"{model.path} path",
             f"KV cache: {cache.nbytes:,} bytes allocated for {cache.context:,} positions "
             f"(sliding rings {kinds['sliding']:,}, full planes {kinds['full']:,})",
         ]
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system-prompt", help="system message for --chat")
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
+    p.add_argument("--reference", action="store_true",
+                   help="use the MLX-ops reference path even on a GPU (same as MUSE_MLX_REFERENCE=1)")
     return p
 
 
@@ -103,7 +106,8 @@ def run(argv: list[str] | None = None) -> int:
     from .model import load
     from .tokenizer import MuseTokenizer
 
-    model = load(args.model if args.model is not None else default_model_path())
+    model = load(args.model if args.model is not None else default_model_path(),
+                 use_kernels=False if args.reference else None)
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:
@@ -143,7 +147,7 @@ def run(argv: list[str] | None = None) -> int:
     stats.generation_seconds = end - first if first else 0.0
     if stats.generated_tokens < args.max_tokens:
         stats.stopped_by = "context limit" if cache.room == 0 else "stop token"
-    for line in stats.lines(cache):
+    for line in stats.lines(cache, model):
         print(line, file=sys.stderr)
     return 0
 

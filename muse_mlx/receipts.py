@@ -23,7 +23,10 @@ _PACKAGES = ("mlx", "mlx-cpu", "mlx-cuda-13", "mlx-metal", "numpy", "gguf", "tok
 
 
 def git_revision(cwd: Path | None = None) -> dict:
+    """HEAD and whether tracked files differ from it; on a machine with no .git (the lent GPU
+    gets a copy of the working tree), the revision the sender recorded in MUSE_GIT_REVISION."""
     cwd = cwd or Path(__file__).resolve().parents[1]
+    sent = os.environ.get("MUSE_GIT_REVISION")
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
@@ -31,11 +34,11 @@ def git_revision(cwd: Path | None = None) -> dict:
     try:
         rev = git("rev-parse", "HEAD")
         if rev.returncode != 0:
-            return {"revision": None}
+            return {"revision": sent, "source": "MUSE_GIT_REVISION (sent with the tree)"} if sent else {"revision": None}
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!receipts").stdout.strip() != ""  # receipts being written do not count
         return {"revision": rev.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.TimeoutExpired):
-        return {"revision": None}
+        return {"revision": sent, "source": "MUSE_GIT_REVISION (sent with the tree)"} if sent else {"revision": None}
 
 
 def versions() -> dict:

@@ -7,6 +7,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source .device/part2/env.sh || exit 1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# The device gets the working tree without .git: carry .device/revision, written before the
+# call with `git rev-parse HEAD > .device/revision`, so receipts name the revision.
+[ -f .device/revision ] && export MUSE_GIT_REVISION="$(cat .device/revision)"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 
 mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama

@@ -162,7 +162,15 @@ def fixture_files(tmp_path_factory):
     return files
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_K_M-random", "NVFP4-random"])
+# Max / mean |Δ log-prob| allowed. The random-block fixtures are ill-conditioned (logits of
+# standard deviation 10-19, against ~2 for the others), so float32 noise, amplified by the
+# f16 rounding of K/V, is larger: on the CPU the reference path itself differs from the
+# float64 reference by up to 3.4e-2 (Q4_K_M) and 3.9e-2 (NVFP4) there, 2.1e-3 mean (NVFP4).
+LOGIT_TOLERANCE = {"F32": (5e-3, 5e-4), "F16": (5e-3, 5e-4), "Q8_0": (5e-3, 5e-4),
+                   "Q4_K_M-random": (6e-2, 5e-3), "NVFP4-random": (6e-2, 5e-3)}
+
+
+@pytest.mark.parametrize("name", list(LOGIT_TOLERANCE))
 def test_kernel_path_logits_match_reference_path(fixture_files, name):
     """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 57 decode
     steps (one-token matvecs + kernel attention) over wrapped 64-row rings."""
@@ -171,7 +179,8 @@ def test_kernel_path_logits_match_reference_path(fixture_files, name):
     ref = run(fixture_files[name], tokens, 103, use_kernels=False)
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    ok = bool(np.isfinite(ours).all() and d.max() < 5e-3 and d.mean() < 5e-4 and top1 >= 0.98)
+    max_tol, mean_tol = LOGIT_TOLERANCE[name]
+    ok = bool(np.isfinite(ours).all() and d.max() < max_tol and d.mean() < mean_tol and top1 >= 0.98)
     record("model_logits", fixture=name, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()),
            top1=top1, **{"pass": ok})
     assert ok, (d.max(), d.mean(), top1)
