@@ -8,7 +8,7 @@
 - `write_sparse`: header and tensor table only, data left as a hole: a
   full-geometry file that costs no disk, for contract checks and accounting.
 
-Every writer goes through `_write_gguf`, which writes to a temporary file beside
+Every writer goes through `write_gguf`, which writes to a temporary file beside
 the target and renames it into place, so a failure leaves nothing half-written.
 """
 
@@ -197,7 +197,7 @@ def _write_metadata(w: GGUFWriter, g: Geometry, name: str) -> None:
     w.add_string("tokenizer.chat_template", chat_template())
 
 
-def _write_gguf(path: Path, g: Geometry, types: dict[str, QT], producer: Producer, name: str) -> Path:
+def write_gguf(path: Path, g: Geometry, types: dict[str, QT], producer: Producer, name: str) -> Path:
     """Write header, metadata and tensor table, then each tensor's bytes from `producer`
     (None leaves a hole: the file stays sparse there). Atomic: tmp file + rename."""
     path = Path(path)
@@ -250,7 +250,7 @@ def write_fixture(path, geometry: Geometry = DEFAULT_GEOMETRY, seed: int = DEFAU
     def producer(name, shape, qtype):
         return encode(synthetic_values(geometry, name, seed), qtype)
 
-    return _write_gguf(path, geometry, types, producer, f"muse-glimmer synthetic fixture seed {seed}")
+    return write_gguf(path, geometry, types, producer, f"muse-glimmer synthetic fixture seed {seed}")
 
 
 def write_random_blocks(path, geometry: Geometry, types: dict[str, QT], seed: int = 0) -> Path:
@@ -261,12 +261,12 @@ def write_random_blocks(path, geometry: Geometry, types: dict[str, QT], seed: in
             return encode(synthetic_values(geometry, name, seed), QT.F32)
         return random_blocks(shape[1], shape[0], qtype, _rng(seed, name))
 
-    return _write_gguf(path, geometry, types, producer, f"muse-glimmer random blocks seed {seed}")
+    return write_gguf(path, geometry, types, producer, f"muse-glimmer random blocks seed {seed}")
 
 
 def write_sparse(path, geometry: Geometry, types: dict[str, QT]) -> Path:
     """Header, metadata and tensor table; tensor data left as a hole (all zeros, no disk)."""
-    return _write_gguf(path, geometry, types, lambda *a: None, "muse-glimmer sparse header")
+    return write_gguf(path, geometry, types, lambda *a: None, "muse-glimmer sparse header")
 
 
 # ---- the default fixture -------------------------------------------------------------

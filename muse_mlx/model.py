@@ -1,6 +1,6 @@
 """The Muse Glimmer forward pass as MLX modules, in the order the data flows.
 
-This is the MLX-ops reference path (DESIGN.md §1), computed in float32:
+The forward pass (DESIGN.md §1), computed in float32:
 
     x = rmsnorm(embed[tok])                                   (no weight)
     per layer:
@@ -34,7 +34,7 @@ import numpy as np
 from .artifact import Artifact, RawTensor
 from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
 from . import kernels
-from .kv import KV_DTYPE, SlotCache, SlidingRing
+from .kv import KV_DTYPE, SlotCache
 from .quant import dequantize
 
 # Bound on one attention score block (heads x queries x keys x 4 bytes) on the
@@ -200,16 +200,17 @@ class Attention(nn.Module):
             n_valid = min(cache.offset, cache.capacity)
             chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
             a = kernels.decode_attention(q[0], cache.keys, cache.values, n_valid, chunk).reshape(1, -1)
-            a = output_gate(a, gate)
-            return mx.fast.rms_norm(self.wo(a), self.post_norm, POST_NORM_EPS)
-        old_k, old_v, old_pos = cache.view()
-        keys = mx.concatenate([old_k, k16], axis=1)
-        values = mx.concatenate([old_v, v16], axis=1)
-        k_pos = np.concatenate([old_pos, positions])
-        cache.append(k16, v16)
-        window = g.sliding_window if self.sliding else None
-        a = output_gate(attention(q, keys, values, positions, k_pos, window, self.scale), gate)
-        return mx.fast.rms_norm(self.wo(a), self.post_norm, POST_NORM_EPS)
+        else:
+            # Attend over the rows held before this chunk plus the chunk's own, then store
+            # the chunk: correct for a chunk longer than the ring (kv.py).
+            old_k, old_v, old_pos = cache.view()
+            keys = mx.concatenate([old_k, k16], axis=1)
+            values = mx.concatenate([old_v, v16], axis=1)
+            k_pos = np.concatenate([old_pos, positions])
+            cache.append(k16, v16)
+            window = g.sliding_window if self.sliding else None
+            a = attention(q, keys, values, positions, k_pos, window, self.scale)
+        return mx.fast.rms_norm(self.wo(output_gate(a, gate)), self.post_norm, POST_NORM_EPS)
 
 
 class FeedForward(nn.Module):
@@ -327,4 +328,4 @@ def load(path, use_kernels: bool | None = None) -> Model:
     return Model(open_artifact(path), use_kernels)
 
 
-__all__ = ["Model", "load", "SlidingRing", "attention", "apply_rope", "rope_tables"]
+__all__ = ["Model", "Projection", "load", "attention", "apply_rope", "rope_tables", "output_gate"]

@@ -78,7 +78,7 @@ LANES = {lane.name: lane for lane in [
 def write_nvfp4(src, dst) -> Path:
     """The project's NVFP4 file: every matrix of a F32/F16 GGUF in block_nvfp4, norms as they are."""
     from .artifact import open_artifact
-    from .fixtures import _write_gguf
+    from .fixtures import write_gguf
     from .quant import dequantize_numpy, quantize_nvfp4
 
     a = open_artifact(src)
@@ -91,7 +91,7 @@ def write_nvfp4(src, dst) -> Path:
             return quantize_nvfp4(dequantize_numpy(t))
         return np.ascontiguousarray(t.data)
 
-    return _write_gguf(dst, g, types, producer, "muse-glimmer NVFP4 (written by muse_mlx)")
+    return write_gguf(dst, g, types, producer, "muse-glimmer NVFP4 (written by muse_mlx)")
 
 
 def lane_file(lane: Lane, base: Path, workdir: Path) -> Path:

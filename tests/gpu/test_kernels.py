@@ -8,7 +8,6 @@ receipt to $MUSE_GPU_RECEIPT (or receipts/kernels/verification.json).
 
 import os
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
