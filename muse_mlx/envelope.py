@@ -113,15 +113,15 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="a muse-glimmer GGUF (default: the pinned geometry in the Q4_K_M layout, "
                                    "with the pinned artifact's size from seed 002)")
     p.add_argument("--tok-s", type=float, help="a measured decode throughput, tokens/s")
-    p.add_argument("--receipt", help="a benchmark receipt to read decode tok/s from (metrics.decode_tok_s)")
+    p.add_argument("--bench-receipt", help="a benchmark receipt to read decode tok/s from (metrics.decode_tok_s)")
     p.add_argument("--depth", type=int, default=0, help="context depth for the KV read (default 0)")
     p.add_argument("--ceiling-gbps", type=float, help="a measured read bandwidth to compare against, GB/s")
     p.add_argument("--file-bytes", type=int, help="override the bytes on disk (e.g. the book's artifact)")
-    p.add_argument("--json", help="write a receipt JSON here")
+    p.add_argument("--receipt", help="write this run's receipt JSON here")
     try:
         args = p.parse_args(argv)
-        if args.tok_s is not None and args.receipt:
-            raise MuseError("give --tok-s or --receipt, not both")
+        if args.tok_s is not None and args.bench_receipt:
+            raise MuseError("give --tok-s or --bench-receipt, not both")
         if args.depth < 0:
             raise MuseError(f"--depth must be >= 0, got {args.depth}")
         if args.model:
@@ -140,18 +140,19 @@ def main(argv=None) -> int:
             file_bytes, source = args.file_bytes, "given with --file-bytes"
         if args.depth > g.context_length:
             raise MuseError(f"--depth {args.depth:,} exceeds the model's {g.context_length:,} positions")
-        tok_s = args.tok_s if args.tok_s is not None else (tok_s_from_receipt(args.receipt) if args.receipt else None)
+        tok_s = args.tok_s if args.tok_s is not None else \
+            (tok_s_from_receipt(args.bench_receipt) if args.bench_receipt else None)
         if tok_s is not None and not tok_s > 0:
             raise MuseError(f"--tok-s must be positive, got {tok_s}")
         e = envelope(g, types, file_bytes, source, args.depth)
         metrics = print_report(g, e, tok_s, args.ceiling_gbps)
-        if args.json:
+        if args.receipt:
             from .receipts import make_receipt, write_receipt
 
             r = make_receipt("envelope", inputs={"model": args.model, "tok_s": tok_s, "depth": args.depth,
                                                  "file_bytes": file_bytes, "file_bytes_source": source},
                              metrics=metrics, notes="effective GB/s is derived from a throughput, not measured")
-            print(f"receipt: {write_receipt(args.json, r)}")
+            print(f"receipt: {write_receipt(args.receipt, r)}")
         return 0
     except MuseError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -104,7 +104,7 @@ def test_envelope_reproduces_chapter_1():
 
 def test_envelope_cli_with_the_books_inputs(tmp_path):
     out = tmp_path / "env.json"
-    r = run("muse_mlx.envelope", "--tok-s", "35.4395", "--json", str(out))
+    r = run("muse_mlx.envelope", "--tok-s", "35.4395", "--receipt", str(out))
     assert r.returncode == 0, r.stderr
     for text in ("27,854,794,240", "4.81 bits", "53.0 GFLOP", "593.85 GB/s", "28.22 ms", "derivation"):
         assert text in r.stdout, text
@@ -122,10 +122,10 @@ def test_envelope_counts_what_the_file_holds(f32_fixture, tmp_path):
     assert e.tensor_bytes == sum(int(t.n_bytes) for t in reader.tensors)
     receipt = tmp_path / "bench.json"
     receipt.write_text('{"metrics": {"decode_tok_s": {"mean": 100.0}}}')
-    r = run("muse_mlx.envelope", "--model", str(f32_fixture), "--receipt", str(receipt), "--ceiling-gbps", "1000")
+    r = run("muse_mlx.envelope", "--model", str(f32_fixture), "--bench-receipt", str(receipt), "--ceiling-gbps", "1000")
     assert r.returncode == 0 and "of the 1,000 GB/s ceiling" in r.stdout, r.stderr
 
 
 def test_envelope_user_errors(tmp_path):
     assert run("muse_mlx.envelope", "--tok-s", "-3").returncode == 2
-    assert run("muse_mlx.envelope", "--receipt", str(tmp_path / "none.json")).returncode == 2
+    assert run("muse_mlx.envelope", "--bench-receipt", str(tmp_path / "none.json")).returncode == 2
