@@ -28,6 +28,12 @@ import numpy as np
 from .errors import MuseError
 
 
+def kernels_device_copy() -> bool:
+    from . import kernels
+
+    return kernels.device_copy_enabled()
+
+
 def _stats(samples: list[float]) -> dict:
     mean = statistics.fmean(samples)
     cv = statistics.stdev(samples) / mean if len(samples) > 1 and mean else 0.0
@@ -142,6 +148,30 @@ def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
                     "(Q6_K tensors re-quantized to 4 bits); ours: raw GGUF blocks, float32 activations"}
 
 
+def launch_overhead_cell(launches: int, reps: int, warmup: int) -> dict:
+    """`launches` matvecs of a tiny Q4_K matrix (32 x 256) in one graph: host and launch cost per call."""
+    from gguf import GGMLQuantizationType as QT
+
+    from . import kernels
+    from .fixtures import random_blocks
+
+    w = mx.array(random_blocks(32, 256, QT.Q4_K, np.random.default_rng(0)))
+    x = mx.random.normal((1, 256))
+    mx.eval(w, x)
+
+    def chain():
+        return [kernels.matvec(w, QT.Q4_K, x) for _ in range(launches)]
+
+    for _ in range(warmup):
+        mx.eval(chain())
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(chain())
+        samples.append((time.perf_counter() - t) * 1e6 / launches)
+    return {"launches": launches, "us_per_launch": _stats(samples)}
+
+
 def run_bench(args) -> dict:
     from .artifact import open_artifact
     from .envelope import envelope
@@ -157,6 +187,7 @@ def run_bench(args) -> dict:
     types = {n: t.qtype for n, t in artifact.tensors.items()}
     bw = read_bandwidth_gbps()
     out = {"model": str(args.model), "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
+           "device_copy": kernels_device_copy(),
            "read_bandwidth_gbps": bw, "decode": [], "prefill": []}
     for depth in args.depths:
         cell = decode_cell(model, depth, args.decode_tokens, args.reps, args.warmup)
@@ -174,6 +205,9 @@ def run_bench(args) -> dict:
         out["prefill"].append(cell)
         print(f"prefill {length:>5}: {cell['tok_s']['mean']:8.1f} tok/s (CV {cell['tok_s']['cv']:.2%})", flush=True)
     if args.matvecs:
+        n = len(model.projections())
+        out["launch_overhead"] = launch_overhead_cell(n, args.reps, args.warmup)
+        print(f"{n} tiny matvec launches: {out['launch_overhead']['us_per_launch']['mean']:.1f} us each", flush=True)
         cell = matvec_chain_cell(model, args.reps, args.warmup)
         out["matvecs_only"] = cell
         print(f"matvecs only: ours {cell['ours_ms']['mean']:.3f} ms, MLX quantized_matmul "

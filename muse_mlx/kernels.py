@@ -34,6 +34,25 @@ QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
 
 
+def device_copy_enabled() -> bool:
+    """MUSE_MLX_DEVICE_COPY=1: copy the raw blocks into memory the GPU allocated (untested default).
+
+    MLX's CUDA backend keeps an array made from host data (our memory-mapped GGUF) in
+    CUDA managed memory, and arrays a GPU operation produces in device memory
+    (mlx/backend/cuda/allocator.cpp). Whether that residency explains the 650 GB/s the
+    matvecs reached on the H200 (docs/kernels.md) is the first thing to measure next;
+    until then the copy is opt-in.
+    """
+    return os.environ.get("MUSE_MLX_DEVICE_COPY", "") not in ("", "0")
+
+
+def to_device(a: mx.array) -> mx.array:
+    """A GPU-made copy of `a` (see device_copy_enabled); evaluated at once."""
+    out = a + mx.zeros((), dtype=a.dtype)
+    mx.eval(out)
+    return out
+
+
 def backend() -> str | None:
     """'metal', 'cuda', or None (the MLX-ops reference path)."""
     if os.environ.get("MUSE_MLX_REFERENCE", "") not in ("", "0"):

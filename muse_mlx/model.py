@@ -63,7 +63,7 @@ class Projection(nn.Module):
         blocks = mx.concatenate([mx.array(np.ascontiguousarray(r.data)) for r in raws]) if len(raws) > 1 \
             else mx.array(np.ascontiguousarray(raws[0].data))  # (out, row_bytes)
         if self.use_kernels:
-            self.blocks = blocks
+            self.blocks = kernels.to_device(blocks) if kernels.device_copy_enabled() else blocks
         else:
             self.weight = dequantize(blocks, self.qtype)  # (out, in)
 

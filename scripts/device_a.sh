@@ -26,4 +26,7 @@ grep -E "PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | awk '{print $2}' | sort | u
 python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
 timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --receipt "$OUT/bench-ours.json" 2>&1 \
   | tee "$OUT/bench.log"
+# The same cells with the raw blocks copied into GPU-allocated memory (docs/kernels.md, item 3).
+MUSE_MLX_DEVICE_COPY=1 timeout 150 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --depths 0 \
+  --prefill "" --reps 3 --receipt "$OUT/bench-ours-device-copy.json" 2>&1 | tee "$OUT/bench-device-copy.log"
 echo "llama.cpp build: $(cat /tmp/llama/build.rc 2>/dev/null || echo running)"; tail -2 /tmp/llama/build.log
