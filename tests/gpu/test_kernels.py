@@ -163,10 +163,12 @@ def fixture_files(tmp_path_factory):
 
 # Max / mean |Δ log-prob| allowed. The random-block fixtures are ill-conditioned (logits of
 # standard deviation 10-19, against ~2 for the others), so float32 noise, amplified by the
-# f16 rounding of K/V, is larger: on the CPU the reference path itself differs from the
-# float64 reference by up to 3.4e-2 (Q4_K_M) and 3.9e-2 (NVFP4) there, 2.1e-3 mean (NVFP4).
+# f16 rounding of K/V, is larger and heavy-tailed: on the CPU the reference path itself
+# differs from the float64 reference by up to 8.3e-2 (Q4_K_M) and 5.3e-2 (NVFP4), 2.4e-3
+# mean (NVFP4), with top-1 1.0 (receipts/reference/float64.json). There the mean and the
+# top-1 agreement are the guards; a wrong block layout moves both by orders of magnitude.
 LOGIT_TOLERANCE = {"F32": (5e-3, 5e-4), "F16": (5e-3, 5e-4), "Q8_0": (5e-3, 5e-4),
-                   "Q4_K_M-random": (6e-2, 5e-3), "NVFP4-random": (6e-2, 5e-3)}
+                   "Q4_K_M-random": (1.5e-1, 5e-3), "NVFP4-random": (1.5e-1, 5e-3)}
 
 
 @pytest.mark.parametrize("name", list(LOGIT_TOLERANCE))
