@@ -12,3 +12,5 @@
 #define UNROLL_FULL _Pragma("clang loop unroll(full)")
 inline float warp_sum(float v) { return simd_sum(v); }
 inline float warp_max(float v) { return simd_max(v); }
+// Byte k (0..3) of v as the float 2^23 + byte (see dialect_cuda.h); subtract 8388608.0f.
+#define BYTE_MAGIC_FLOAT(v, k) as_type<float>(0x4B000000u | (((v) >> (8u * uint32_t(k))) & 0xFFu))

@@ -88,7 +88,7 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    **{f"matvec_wide_{v}": ("matvec_wide", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k")},
+    **{f"matvec_wide_{v}": ("matvec_wide", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k", "q4_k_magic", "q6_k_magic")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine"], ["part_o", "part_ml", "params"], ["out"]),
 }

@@ -31,7 +31,7 @@ CASES = [
     *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
       for wt in ("float32", "float16", "bfloat16")],
     *[(f"matvec_wide_{v}", ["uint8", "float32"], ["float32"], [("K", k), ("N", 4096), ("R", 16), ("TPG", 224)])
-      for v in ("q4_k", "q6_k") for k in (6656, 19968)],
+      for v in ("q4_k", "q6_k", "q4_k_magic", "q6_k_magic") for k in (6656, 19968)],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 256)]),
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],

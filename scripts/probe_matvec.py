@@ -1,0 +1,229 @@
+"""Where the decode time goes on the GPU: a diagnostic run for docs/kernels.md (device only).
+
+Questions, each answered by a timed contrast (wall time around mx.eval, which waits):
+  1. residency: does a kernel read MLX arrays made from host data (CUDA managed memory)
+     as fast as arrays a GPU op made (device memory)?  A read-only kernel and our
+     one-token Q4_K matvec on both.
+  2. conversion: the int->float conversion of each nibble (1/8 of the FMA rate on Hopper)
+     against a byte-permute "magic float" (q4_k vs q4_k_magic, q6_k vs q6_k_magic).
+  3. launch cost: a chain of tiny custom kernels and of tiny MLX ops, graph build and eval
+     timed apart.
+  4. the whole token: one token's 261 projections at the pinned geometry, weights made on
+     the GPU (random bytes: the values do not matter for time) and, if --host, from host data.
+Writes a JSON receipt (synthetic random weights) to --receipt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import mlx.core as mx
+import numpy as np
+
+from muse_mlx import kernels
+from muse_mlx.geometry import PINNED
+from muse_mlx.receipts import make_receipt, write_receipt
+
+Q4, Q6 = 144, 210  # bytes per 256-value block
+
+
+def stats(xs):
+    return {"mean": statistics.fmean(xs), "min": min(xs),
+            "cv": statistics.stdev(xs) / statistics.fmean(xs) if len(xs) > 1 else 0.0, "samples": xs}
+
+
+def timed(fn, reps=5, warmup=1):
+    for _ in range(warmup):
+        mx.eval(fn())
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def device_bytes(rows, row_bytes, seed=0):
+    a = mx.random.randint(0, 256, (rows, row_bytes), dtype=mx.uint8, key=mx.random.key(seed))
+    mx.eval(a)
+    return a
+
+
+def host_bytes(rows, row_bytes, seed=0):
+    a = mx.array(np.random.default_rng(seed).integers(0, 256, (rows, row_bytes), dtype=np.uint8))
+    mx.eval(a)
+    return a
+
+
+READ_SRC = """
+const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+const uint32_t stride = gridDim.x * blockDim.x;
+uint32_t acc = 0u;
+const uint4* p = (const uint4*)w;
+for (uint64_t i = t; i < uint64_t(NV); i += stride) { const uint4 v = p[i]; acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+y[t] = acc;
+"""
+_read_kernel = mx.fast.cuda_kernel(name="probe_read", input_names=["w"], output_names=["y"], source=READ_SRC)
+TINY_SRC = "y[0] = x[0] + 1.0f;"
+_tiny_kernel = mx.fast.cuda_kernel(name="probe_tiny", input_names=["x"], output_names=["y"], source=TINY_SRC)
+
+
+def read_once(w):
+    nv = w.size // 16
+    blocks = 132 * 8
+    return _read_kernel(inputs=[w], template=[("NV", nv)], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                        output_shapes=[(blocks * 256,)], output_dtypes=[mx.uint32])[0]
+
+
+def wide(w, x, variant, K, N):
+    per_block = 8 if variant.startswith("q4") else 16
+    tpg = kernels._threads_for(K // 256 * per_block)
+    groups = -(-N // kernels.WIDE_ROWS)
+    return kernels.kernel(f"matvec_wide_{variant}")(
+        inputs=[w, x], template=[("K", K), ("N", N), ("R", kernels.WIDE_ROWS), ("TPG", tpg)],
+        grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)], output_dtypes=[mx.float32])[0]
+
+
+def per_launch(fn, launches, reps=5):
+    """fn() -> list of `launches` arrays; returns build and eval time per launch (us)."""
+    mx.eval(fn())
+    build, run = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = fn()
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        t2 = time.perf_counter()
+        build.append((t1 - t0) * 1e6 / launches)
+        run.append((t2 - t1) * 1e6 / launches)
+    return {"build_us": stats(build), "eval_us": stats(run)}
+
+
+def section_residency(res, host: bool):
+    g = PINNED
+    K, N = g.n_embd, 2 * g.n_ff                          # FFN gate|up stacked: 39,936 x 6,656 Q4_K
+    row = K // 256 * Q4
+    x = mx.random.normal((K,))
+    mx.eval(x)
+    makers = {"device": device_bytes} | ({"host": host_bytes} if host else {})
+    for where, make in makers.items():
+        w = make(N, row)
+        big = make(2 * 1024, 1024 * 1024, seed=1)        # 2 GiB
+        r = {}
+        reps_in_graph = 20
+        t = timed(lambda big=big: [read_once(big) for _ in range(4)])
+        r["read_2GiB_GBps"] = stats([4 * big.nbytes / s / 1e9 for s in t])
+        t = timed(lambda w=w, n=reps_in_graph: [read_once(w) for _ in range(n)])
+        r["read_gateup_GBps"] = stats([reps_in_graph * w.nbytes / s / 1e9 for s in t])
+        for variant in ("q4_k", "q4_k_magic"):
+            t = timed(lambda w=w, v=variant, n=reps_in_graph: [wide(w, x, v, K, N) for _ in range(n)])
+            r[f"{variant}_gateup_GBps"] = stats([reps_in_graph * w.nbytes / s / 1e9 for s in t])
+            r[f"{variant}_gateup_us"] = stats([s / reps_in_graph * 1e6 for s in t])
+        # Q6_K ffn_down shape: 6,656 x 19,968
+        Kd, Nd = g.n_ff, g.n_embd
+        wd = make(Nd, Kd // 256 * Q6, seed=2)
+        xd = mx.random.normal((Kd,))
+        for variant in ("q6_k", "q6_k_magic"):
+            t = timed(lambda w=wd, x=xd, v=variant, n=reps_in_graph, k=Kd, m=Nd: [wide(w, x, v, k, m) for _ in range(n)])
+            r[f"{variant}_down_GBps"] = stats([reps_in_graph * wd.nbytes / s / 1e9 for s in t])
+        res[f"residency_{where}"] = r
+        print(where, {k: round(v["mean"], 1) for k, v in r.items()}, flush=True)
+        del w, big, wd
+        mx.clear_cache()
+
+
+def section_launch(res):
+    x = mx.zeros((1,))
+    mx.eval(x)
+
+    def tiny_chain():
+        a = x
+        for _ in range(500):
+            a = _tiny_kernel(inputs=[a], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                             output_dtypes=[mx.float32])[0]
+        return [a]
+
+    def tiny_independent():
+        return [_tiny_kernel(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                             output_dtypes=[mx.float32])[0] for _ in range(500)]
+
+    def op_chain():
+        a = x
+        for _ in range(500):
+            a = a + 1.0
+        return [a]
+
+    w = device_bytes(32, Q4)
+    xs = mx.random.normal((1, 256))
+
+    def matvec_chain():
+        from gguf import GGMLQuantizationType as QT
+        return [kernels.matvec(w, QT.Q4_K, xs) for _ in range(500)]
+
+    r = {"tiny_kernel_chain": per_launch(tiny_chain, 500), "tiny_kernel_independent": per_launch(tiny_independent, 500),
+         "mlx_add_chain": per_launch(op_chain, 500), "our_matvec_tiny": per_launch(matvec_chain, 500)}
+    res["launch"] = r
+    print({k: (round(v["build_us"]["mean"], 1), round(v["eval_us"]["mean"], 1)) for k, v in r.items()}, flush=True)
+
+
+def token_shapes():
+    """(K, N, block bytes, variant) of one token's projections, Q4_K_M-like (Q6_K attn_v/ffn_down)."""
+    g = PINNED
+    layer = [(g.n_embd, 2 * g.q_dim + g.kv_dim, Q4, "q4_k"), (g.n_embd, g.kv_dim, Q6, "q6_k"),
+             (g.q_dim, g.n_embd, Q4, "q4_k"), (g.n_embd, 2 * g.n_ff, Q4, "q4_k"), (g.n_ff, g.n_embd, Q6, "q6_k")]
+    return layer * g.n_layer + [(g.n_embd, g.n_vocab, Q6, "q6_k")]
+
+
+def section_token(res, host: bool, tag: str):
+    shapes = token_shapes()
+    make = host_bytes if host else device_bytes
+    ws = [make(N, K // 256 * b, seed=i) for i, (K, N, b, _) in enumerate(shapes)]
+    xs = {K: mx.random.normal((K,)) for K, *_ in shapes}
+    mx.eval(list(xs.values()))
+    total = sum(w.nbytes for w in ws)
+    r = {"weight_bytes": total, "launches": len(shapes)}
+    for form in ("", "_magic"):
+        def token(ws=ws, form=form):
+            return [wide(w, xs[K], v + form, K, N) for w, (K, N, b, v) in zip(ws, shapes)]
+        t = timed(token, reps=5, warmup=2)
+        r[f"wide{form or '_int'}_ms"] = stats([s * 1e3 for s in t])
+        r[f"wide{form or '_int'}_GBps"] = stats([total / s / 1e9 for s in t])
+
+    def reads(ws=ws):
+        return [read_once(w) for w in ws]
+    t = timed(reads, reps=5, warmup=2)
+    r["read_only_ms"] = stats([s * 1e3 for s in t])
+    res[f"token_{tag}"] = r
+    print(tag, {k: (round(v["mean"], 2) if isinstance(v, dict) else v) for k, v in r.items()}, flush=True)
+    del ws
+    mx.clear_cache()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--receipt", required=True)
+    p.add_argument("--parts", default="residency,launch,token")
+    p.add_argument("--host", action="store_true", help="also time weights made from host data (managed memory)")
+    p.add_argument("--tag", default="")
+    a = p.parse_args()
+    res = {"env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "MUSE_"))}}
+    parts = a.parts.split(",")
+    if "residency" in parts:
+        section_residency(res, a.host)
+    if "launch" in parts:
+        section_launch(res)
+    if "token" in parts:
+        section_token(res, False, "device" + a.tag)
+        if a.host:
+            section_token(res, True, "host" + a.tag)
+    write_receipt(a.receipt, make_receipt("probe/matvec", inputs=vars(a), metrics=res, synthetic=True))
+
+
+if __name__ == "__main__":
+    main()
