@@ -40,3 +40,28 @@ inline float2 k4_scale_min_words(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
   return MAKE_FLOAT2(float(((s2 >> k) & 15u) | (((s0 >> k) >> 6 & 3u) << 4)),
                      float(((s2 >> k) >> 4 & 15u) | (((s1 >> k) >> 6 & 3u) << 4)));
 }
+
+// 16 bytes at byte offset `off` (a multiple of 2) of a 4-byte-aligned buffer, as four
+// little-endian words: five aligned word loads and funnel shifts (Q6_K's 210-byte blocks
+// are only 2-byte aligned).
+template <typename P> inline uint4 load16_at(P base, uint64_t off) {
+  GLOBAL_CONST(uint32_t)* wp = (GLOBAL_CONST(uint32_t)*)(base) + (off >> 2);
+  const uint32_t s = uint32_t(off & 3u) * 8u;
+  const uint32_t a = wp[0], b = wp[1], c = wp[2], d = wp[3], e = s ? wp[4] : 0u;
+  uint4 r;
+  r.x = FUNNEL_R(a, b, s);
+  r.y = FUNNEL_R(b, c, s);
+  r.z = FUNNEL_R(c, d, s);
+  r.w = FUNNEL_R(d, e, s);
+  return r;
+}
+
+// k4_scale_min_words without branches (a select), for lanes of one simdgroup that hold
+// different groups g.
+inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
+  const uint32_t k = 8u * uint32_t(g & 3);
+  const uint32_t a = s0 >> k, b = s1 >> k, c = s2 >> k;
+  const bool low = g < 4;
+  return MAKE_FLOAT2(float(low ? (a & 63u) : ((c & 15u) | ((a >> 6 & 3u) << 4))),
+                     float(low ? (b & 63u) : ((c >> 4 & 15u) | ((b >> 6 & 3u) << 4))));
+}

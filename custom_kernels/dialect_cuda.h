@@ -21,3 +21,5 @@ __device__ __forceinline__ float warp_max(float v) {
 // Byte k (0..3) of v as the float 2^23 + byte, built with one byte permute (no int->float
 // conversion, which runs at 1/8 of the FMA rate); subtract 8388608.0f for the byte's value.
 #define BYTE_MAGIC_FLOAT(v, k) __uint_as_float(__byte_perm((v), 0x4Bu, 0x4550u | uint32_t(k)))
+// The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
+#define FUNNEL_R(lo, hi, s) __funnelshift_r((lo), (hi), (s))

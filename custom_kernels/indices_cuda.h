@@ -6,3 +6,4 @@
 #define THREAD_X (threadIdx.x)
 #define SHARED __shared__
 #define BARRIER() __syncthreads()
+#define NUM_GROUPS_X (gridDim.x)

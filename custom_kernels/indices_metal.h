@@ -7,3 +7,4 @@
 #define THREAD_X (thread_position_in_threadgroup.x)
 #define SHARED threadgroup
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define NUM_GROUPS_X (threadgroups_per_grid.x)

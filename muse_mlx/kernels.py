@@ -89,6 +89,7 @@ KERNELS = {
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
     **{f"matvec_wide_{v}": ("matvec_wide", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k", "q4_k_magic", "q6_k_magic")},
+    **{f"matvec_stream_{v}": ("matvec_stream", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine"], ["part_o", "part_ml", "params"], ["out"]),
 }

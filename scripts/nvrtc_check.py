@@ -5,6 +5,8 @@ the MLX device utils include, our header, then `__global__ void` with `const T*`
 `T*` outputs and the template constants as constexpr) and compiles it for sm_90a with MLX's
 NVRTC flags, printing registers-free diagnostics. Needs:
   MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*)
+  MUSE_NVRTC_CUBIN_DIR  also write each CUBIN there (for nvdisasm)
+  MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel
   MUSE_MLX_CUDA_INCLUDE  a folder holding mlx/backend/cuda/device/{utils.cuh,complex.cuh,config.h}
   CUDA include folders (default /usr/local/cuda/include and /usr/local/cuda/include/cccl)
 Usage: python scripts/nvrtc_check.py
@@ -32,6 +34,9 @@ CASES = [
       for wt in ("float32", "float16", "bfloat16")],
     *[(f"matvec_wide_{v}", ["uint8", "float32"], ["float32"], [("K", k), ("N", 4096), ("R", 16), ("TPG", 224)])
       for v in ("q4_k", "q6_k", "q4_k_magic", "q6_k_magic") for k in (6656, 19968)],
+    *[(f"matvec_stream_{v}", ["uint8", "float32"], ["float32"],
+       [("K", k), ("N", 4096), ("TPG", -(-k // 256 * 8 // 32) * 32), ("R", 8), ("RF", rf)])
+      for v in ("q4_k", "q6_k") for k in (4096, 6656, 19968) for rf in (2, 4)],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 256)]),
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
@@ -63,12 +68,21 @@ def main() -> int:
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), f"{fn}.cu".encode(), 0, None, None)
         opts = [b"--device-as-default-execution-space", b"--gpu-architecture=sm_90a"] + \
-               [f"--include-path={p}".encode() for p in includes]
+               [f"--include-path={p}".encode() for p in includes] + \
+               ([b"--ptxas-options=-v"] if os.environ.get("MUSE_NVRTC_VERBOSE") else [])
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         n = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
         log = ctypes.create_string_buffer(n.value + 1)
         lib.nvrtcGetProgramLog(prog, log)
+        if rc == 0 and os.environ.get("MUSE_NVRTC_CUBIN_DIR"):  # for nvdisasm / cuobjdump
+            size = ctypes.c_size_t()
+            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            cubin = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, cubin)
+            tag = "_".join(f"{k}{v}" for k, v in template)
+            with open(os.path.join(os.environ["MUSE_NVRTC_CUBIN_DIR"], f"{kname}_{tag}.cubin"), "wb") as fh:
+                fh.write(cubin.raw)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
         status = "ok" if rc == 0 else "FAILED"
         print(f"{kname:20s} {dict(template)}: {status}")

@@ -90,6 +90,91 @@ def wide(w, x, variant, K, N):
         grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)], output_dtypes=[mx.float32])[0]
 
 
+def stream(w, x, variant, K, N, R=8, RF=4, groups=None):
+    tpg = -(-(K // 256 * 8) // 32) * 32
+    nrg = -(-N // R)
+    g = min(nrg, groups) if groups else nrg
+    return kernels.kernel(f"matvec_stream_{variant}")(
+        inputs=[w, x], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
+        grid=(g * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)], output_dtypes=[mx.float32])[0]
+
+
+STREAM_SHAPES = {  # name: (K, N, variant, block bytes)
+    "qkg_q4k": (6656, 8448, "q4_k", Q4), "o_q4k": (4096, 6656, "q4_k", Q4), "gateup_q4k": (6656, 39936, "q4_k", Q4),
+    "down_q4k": (19968, 6656, "q4_k", Q4), "down_q6k": (19968, 6656, "q6_k", Q6), "v_q6k": (6656, 256, "q6_k", Q6),
+    "output_q6k": (6656, 202048, "q6_k", Q6)}
+STREAM_CONFIGS = [(8, 2), (8, 4), (8, 8), (16, 4), (4, 4)]
+STREAM_GROUPS = [132, 264, 528, 1056, None]
+
+
+def section_stream(res):
+    """Correctness (float64 numpy on valid random blocks) and a sweep of R, RF and the grid size."""
+    from gguf import GGMLQuantizationType as QT
+
+    from muse_mlx.fixtures import random_blocks
+    from muse_mlx.quant import dequantize
+
+    qt = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
+    rng = np.random.default_rng(7)
+    checks = {}
+    for K in (4096, 6656, 19968):
+        for variant in ("q4_k", "q6_k"):
+            for (R, RF) in STREAM_CONFIGS[:2]:
+                n = 37
+                blocks = mx.array(random_blocks(n, K, qt[variant], rng))
+                x = rng.standard_normal(K).astype(np.float32)
+                want = np.array(dequantize(blocks, qt[variant])).astype(np.float64) @ x.astype(np.float64)
+                got = np.array(stream(blocks, mx.array(x), variant, K, n, R, RF, groups=3)).reshape(-1)
+                rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+                checks[f"{variant}_K{K}_R{R}_RF{RF}"] = rel
+    res["stream_checks_max_rel_err"] = checks
+    print("stream checks", {k: f"{v:.1e}" for k, v in checks.items()}, flush=True)
+    sweep = {}
+    for name, (K, N, variant, bb) in STREAM_SHAPES.items():
+        w = device_bytes(N, K // 256 * bb, seed=3)
+        x = mx.random.normal((K,))
+        reps = max(4, min(40, int(2e9 // w.nbytes)))
+        for (R, RF) in STREAM_CONFIGS:
+            for G in STREAM_GROUPS:
+                t = timed(lambda w=w, x=x, v=variant, k=K, m=N, r=R, f=RF, g=G, n=reps:
+                          [stream(w, x, v, k, m, r, f, g) for _ in range(n)], reps=3)
+                sweep[f"{name}|R{R}|RF{RF}|G{G or 'all'}"] = min(reps * w.nbytes / s / 1e9 for s in t)
+        best = max((k for k in sweep if k.startswith(name + "|")), key=sweep.get)
+        print(name, "best", best, f"{sweep[best]:.0f} GB/s", flush=True)
+        del w
+    res["stream_sweep_GBps"] = sweep
+    mx.clear_cache()
+    # the whole token with each shape's best configuration
+    best = {}
+    for name in STREAM_SHAPES:
+        k = max((k for k in sweep if k.startswith(name + "|")), key=sweep.get)
+        _, r, rf, g = k.split("|")
+        best[name] = (int(r[1:]), int(rf[2:]), None if g == "Gall" else int(g[1:]))
+    res["stream_best"] = {k: list(v) for k, v in best.items()}
+    g = PINNED
+    layer = ["qkg_q4k", "v_q6k", "o_q4k", "gateup_q4k", "down_q6k"]
+    names = layer * g.n_layer + ["output_q6k"]
+    ws = [device_bytes(STREAM_SHAPES[n][1], STREAM_SHAPES[n][0] // 256 * STREAM_SHAPES[n][3], seed=i)
+          for i, n in enumerate(names)]
+    xs = {K: mx.random.normal((K,)) for K, *_ in STREAM_SHAPES.values()}
+    mx.eval(list(xs.values()))
+    total = sum(w.nbytes for w in ws)
+
+    def token(ws=ws):
+        out = []
+        for w, n in zip(ws, names):
+            K, N, v, _ = STREAM_SHAPES[n]
+            out.append(stream(w, xs[K], v, K, N, *best[n]))
+        return out
+    t = timed(token, reps=5, warmup=2)
+    res["token_stream"] = {"weight_bytes": total, "ms": stats([s * 1e3 for s in t]),
+                           "GBps": stats([total / s / 1e9 for s in t])}
+    print("token stream", res["token_stream"]["ms"]["mean"], "ms", res["token_stream"]["GBps"]["mean"], "GB/s",
+          flush=True)
+    del ws
+    mx.clear_cache()
+
+
 def per_launch(fn, launches, reps=5):
     """fn() -> list of `launches` arrays; returns build and eval time per launch (us)."""
     mx.eval(fn())
@@ -214,6 +299,8 @@ def main():
     a = p.parse_args()
     res = {"env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "MUSE_"))}}
     parts = a.parts.split(",")
+    if "stream" in parts:
+        section_stream(res)
     if "residency" in parts:
         section_residency(res, a.host)
     if "launch" in parts:
