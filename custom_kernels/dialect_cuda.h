@@ -23,3 +23,6 @@ __device__ __forceinline__ float warp_max(float v) {
 #define BYTE_MAGIC_FLOAT(v, k) __uint_as_float(__byte_perm((v), 0x4Bu, 0x4550u | uint32_t(k)))
 // The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
 #define FUNNEL_R(lo, hi, s) __funnelshift_r((lo), (hi), (s))
+#define RSQRTF(x) rsqrtf(x)
+#define FLOAT_TO_HALF(x) __float2half_rn(x)
+__device__ __forceinline__ float shuffle_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }

@@ -16,3 +16,6 @@ inline float warp_max(float v) { return simd_max(v); }
 #define BYTE_MAGIC_FLOAT(v, k) as_type<float>(0x4B000000u | (((v) >> (8u * uint32_t(k))) & 0xFFu))
 // The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
 #define FUNNEL_R(lo, hi, s) uint32_t(((ulong(hi) << 32) | ulong(lo)) >> (s))
+#define RSQRTF(x) metal::rsqrt(x)
+#define FLOAT_TO_HALF(x) half(x)
+inline float shuffle_xor(float v, int m) { return simd_shuffle_xor(v, ushort(m)); }

@@ -34,25 +34,6 @@ QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
 
 
-def device_copy_enabled() -> bool:
-    """MUSE_MLX_DEVICE_COPY=1: copy the raw blocks into memory the GPU allocated (untested default).
-
-    MLX's CUDA backend keeps an array made from host data (our memory-mapped GGUF) in
-    CUDA managed memory, and arrays a GPU operation produces in device memory
-    (mlx/backend/cuda/allocator.cpp). Whether that residency explains the 650 GB/s the
-    matvecs reached on the H200 (docs/kernels.md) is the first thing to measure next;
-    until then the copy is opt-in.
-    """
-    return os.environ.get("MUSE_MLX_DEVICE_COPY", "") not in ("", "0")
-
-
-def to_device(a: mx.array) -> mx.array:
-    """A GPU-made copy of `a` (see device_copy_enabled); evaluated at once."""
-    out = a + mx.zeros((), dtype=a.dtype)
-    mx.eval(out)
-    return out
-
-
 def backend() -> str | None:
     """'metal', 'cuda', or None (the MLX-ops reference path)."""
     if os.environ.get("MUSE_MLX_REFERENCE", "") not in ("", "0"):
@@ -88,10 +69,14 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    **{f"matvec_wide_{v}": ("matvec_wide", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k", "q4_k_magic", "q6_k_magic")},
     **{f"matvec_stream_{v}": ("matvec_stream", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
-    "attention_combine": ("attention", ["combine"], ["part_o", "part_ml", "params"], ["out"]),
+    "attention_combine": ("attention", ["combine", "store"], ["part_o", "part_ml", "params"], ["out"]),
+    "attention_combine_gated": ("attention", ["combine", "store_gated"], ["part_o", "part_ml", "params", "gate"],
+                                ["out"]),
+    "qk_post": ("decode_glue", ["qk_post"], ["q", "k", "v", "q_norm", "k_norm", "rope", "eps"],
+                ["q_out", "k_out", "v_out"]),
+    "residual_norm": ("decode_glue", ["residual_norm"], ["x", "f", "w_post", "w_next", "eps"], ["x_out", "h"]),
 }
 
 
@@ -109,16 +94,27 @@ def kernel(name: str, which: str | None = None):
 # ---- matvec ----------------------------------------------------------------------------
 
 
-WIDE_VARIANTS = {QT.Q4_K: ("q4_k", 8), QT.Q6_K: ("q6_k", 16)}   # units per 256 values
-WIDE_ROWS = 16          # output rows per threadgroup in the one-token kernels
+STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}   # name, rows per step R, rows loaded RF
 
 
-def _threads_for(units: int) -> int:
-    """Threads per threadgroup (a multiple of 32, 128..256) leaving the fewest idle unit slots."""
-    return min(range(256, 127, -32), key=lambda t: (-(-units // t)) * t - units)
+def stream_groups() -> int:
+    """Threadgroups of a streaming matvec: a few per multiprocessor (MUSE_MLX_STREAM_GROUPS overrides).
+
+    264 = 2 per SM of the H200 was the best or near it for the layer matrices in the sweep of
+    receipts/kernels/h200-probe-stream.json; Apple GPUs have fewer cores (unmeasured here)."""
+    env = os.environ.get("MUSE_MLX_STREAM_GROUPS", "")
+    if env:
+        return max(1, int(env))
+    return 264 if backend() == "cuda" else 64
 
 
-def wide_enabled() -> bool:
+def stream_threads(K: int) -> int:
+    """Threads of a streaming matvec: one 32-value unit of K each, rounded up to whole simdgroups,
+    at most 1024 (past that a thread holds several units)."""
+    return min(1024, -(-(K // 32) // 32) * 32)
+
+
+def stream_enabled() -> bool:
     return os.environ.get("MUSE_MLX_MATVEC", "") != "simple"
 
 
@@ -135,12 +131,12 @@ def matvec(w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None)
         raise ValueError(f"matvec takes 1..{MAX_BATCH} rows, got {B}")
     x = x.astype(mx.float32)
     N = w.shape[0]
-    if B == 1 and qtype in WIDE_VARIANTS and wide_enabled():
-        variant, per_block = WIDE_VARIANTS[qtype]
-        tpg = _threads_for(K // 256 * per_block)
-        groups = -(-N // WIDE_ROWS)
-        return kernel(f"matvec_wide_{variant}")(
-            inputs=[w, x.reshape(-1)], template=[("K", K), ("N", N), ("R", WIDE_ROWS), ("TPG", tpg)],
+    if B == 1 and qtype in STREAM_VARIANTS and stream_enabled():
+        variant, R, RF = STREAM_VARIANTS[qtype]
+        tpg = stream_threads(K)
+        groups = min(-(-N // R), stream_groups())
+        return kernel(f"matvec_stream_{variant}")(
+            inputs=[w, x.reshape(-1)], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
             grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
             output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
     groups = -(-N // ROWS_PER_GROUP)
@@ -161,25 +157,66 @@ def _warps_for(group: int) -> int:
     return next(nw for nw in (4, 3, 2, 1) if group % nw == 0)
 
 
+def attention_params(n_valid: int, chunk: int) -> mx.array:
+    """The runtime scalars of decode_attention: rows visible and splits (int32[8], see docs/kernels.md)."""
+    return mx.array([n_valid, max(1, -(-n_valid // chunk)), 0, 0, 0, 0, 0, 0], dtype=mx.int32)
+
+
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int, chunk: int,
-                     init_value: float | None = None) -> mx.array:
-    """One query token over rows 0..n_valid-1 of (n_kv, CAP, HD) f16 K/V. q (n_head, HD) -> (n_head, HD) f32."""
+                     init_value: float | None = None, gate: mx.array | None = None,
+                     params: mx.array | None = None) -> mx.array:
+    """One query token over rows 0..n_valid-1 of (n_kv, CAP, HD) f16 K/V. q (n_head, HD) -> (n_head, HD) f32.
+
+    With `gate` (n_head * HD), the output is multiplied by sigmoid(gate) (the attention output
+    gate, model.output_gate) in the same launch. `params` may be passed in precomputed
+    (attention_params(n_valid, chunk)): every layer of a kind shares it within a token."""
     n_head, hd = q.shape
     n_kv, cap, _ = keys.shape
     group = n_head // n_kv
     nw = _warps_for(group)
     nsplit = max(1, -(-n_valid // chunk))
-    params = mx.array([n_valid, nsplit, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
+    params = attention_params(n_valid, chunk) if params is None else params
     template = [("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)]
     part_o, part_ml = kernel("attention_partial")(
         inputs=[q.astype(mx.float32), keys, values, params], template=template,
         grid=(nsplit * nw * 32, n_kv, 1), threadgroup=(nw * 32, 1, 1),
         output_shapes=[(n_head * nsplit * hd,), (n_head * nsplit * 2,)],
         output_dtypes=[mx.float32, mx.float32], stream=mx.gpu)
-    out = kernel("attention_combine")(
-        inputs=[part_o, part_ml, params], template=[("HD", hd)],
+    name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
+        ("attention_combine_gated", [part_o, part_ml, params, gate.reshape(-1)])
+    return kernel(name)(
+        inputs=inputs, template=[("HD", hd)],
         grid=(n_head * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(n_head, hd)], output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
-    return out
 
 
+# ---- the steps between the products of one decode token (custom_kernels/decode_glue.inc) ----
+
+
+def qk_post(q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,
+            rope_half: int, eps: mx.array, n_head: int, n_kv: int, head_dim: int,
+            init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """One token's q, k, v (flat f32) -> q normed and rotated (n_head, hd) f32, k and v (n_kv, 1, hd) f16.
+
+    `rope` is cos then sin of the rope_half angles (model.rope_tables), unused when rope_half is
+    0 (NoPE); `eps` a 1-element f32 array (the RMSNorm epsilon)."""
+    tpg = -(-head_dim // 32) * 32
+    q_out, k_out, v_out = kernel("qk_post")(
+        inputs=[q.reshape(-1), k.reshape(-1), v.reshape(-1), q_norm, k_norm, rope, eps],
+        template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg)],
+        grid=((n_head + 2 * n_kv) * tpg, 1, 1), threadgroup=(tpg, 1, 1),
+        output_shapes=[(n_head, head_dim), (n_kv, 1, head_dim), (n_kv, 1, head_dim)],
+        output_dtypes=[mx.float32, mx.float16, mx.float16], init_value=init_value, stream=mx.gpu)
+    return q_out, k_out, v_out
+
+
+def residual_norm(x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps: mx.array,
+                  init_value: float | None = None) -> tuple[mx.array, mx.array]:
+    """(x + rmsnorm(f, eps[0]) * w_post, then that rmsnorm'd with eps[1] times w_next); x, f (1, N) f32."""
+    n = x.shape[-1]
+    tpg = min(1024, -(-n // 32) * 32)
+    x_out, h = kernel("residual_norm")(
+        inputs=[x.reshape(-1), f.reshape(-1), w_post, w_next, eps], template=[("N", n), ("TPG", tpg)],
+        grid=(tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, n), (1, n)],
+        output_dtypes=[mx.float32, mx.float32], init_value=init_value, stream=mx.gpu)
+    return x_out, h

@@ -63,7 +63,7 @@ class Projection(nn.Module):
         blocks = mx.concatenate([mx.array(np.ascontiguousarray(r.data)) for r in raws]) if len(raws) > 1 \
             else mx.array(np.ascontiguousarray(raws[0].data))  # (out, row_bytes)
         if self.use_kernels:
-            self.blocks = kernels.to_device(blocks) if kernels.device_copy_enabled() else blocks
+            self.blocks = blocks
         else:
             self.weight = dequantize(blocks, self.qtype)  # (out, in)
 
@@ -95,8 +95,8 @@ def _vector(raw: RawTensor) -> mx.array:
     return dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype).reshape(-1)
 
 
-def rope_tables(positions: np.ndarray, rope_dim: int, base: float) -> tuple[mx.array, mx.array]:
-    """cos/sin of ggml's RoPE angles, (L, rope_dim/2), float32.
+def rope_cos_sin(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of ggml's RoPE angles, (L, rope_dim/2), float32 numpy.
 
     ggml (ggml_rope_cache_init) starts from theta = p and multiplies by
     theta_scale = base^(-2/rope_dim) once per pair, in float32; this reproduces that
@@ -109,7 +109,13 @@ def rope_tables(positions: np.ndarray, rope_dim: int, base: float) -> tuple[mx.a
         angles[:, i] = theta
         theta = (theta * theta_scale).astype(np.float32)
     a64 = angles.astype(np.float64)
-    return mx.array(np.cos(a64).astype(np.float32)), mx.array(np.sin(a64).astype(np.float32))
+    return np.cos(a64).astype(np.float32), np.sin(a64).astype(np.float32)
+
+
+def rope_tables(positions: np.ndarray, rope_dim: int, base: float) -> tuple[mx.array, mx.array]:
+    """rope_cos_sin as MLX arrays."""
+    cos, sin = rope_cos_sin(positions, rope_dim, base)
+    return mx.array(cos), mx.array(sin)
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -160,6 +166,11 @@ def output_gate(a: mx.array, gate: mx.array) -> mx.array:
     return a * mx.sigmoid(gate)
 
 
+@mx.compile
+def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
 class Attention(nn.Module):
     def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor], use_kernels: bool):
         super().__init__()
@@ -175,6 +186,31 @@ class Attention(nn.Module):
         self.wo = Projection(t["attn_output"], use_kernels)
         self.post_norm = _vector(t["post_attention_norm"])
         self.scale = 1.0 / math.sqrt(g.head_dim)
+        self.eps = mx.array([g.rms_eps], dtype=mx.float32)
+
+    def decode_one(self, h: mx.array, rope: mx.array, cache, params: dict) -> mx.array:
+        """The kernel path's attention for one token: h (1, n_embd) normed input -> Wo output (1, n_embd).
+
+        The same math as __call__, in fewer launches: q/k RMSNorm, RoPE and the f16 rounding
+        of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
+        combine step. `params` shares the attention scalars among the layers of a kind."""
+        g = self.g
+        if "wqkg" in self:
+            qkg = self.wqkg(h)
+            q, k, gate = qkg[:, :g.q_dim], qkg[:, g.q_dim:g.q_dim + g.kv_dim], qkg[:, g.q_dim + g.kv_dim:]
+        else:
+            q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
+        rope_half = g.rope_dim // 2 if self.sliding else 0
+        q, k16, v16 = kernels.qk_post(q, k, self.wv(h), self.q_norm, self.k_norm, rope, rope_half, self.eps,
+                                      g.n_head, g.n_head_kv, g.head_dim)
+        cache.append(k16, v16)
+        n_valid = min(cache.offset, cache.capacity)
+        chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
+        if (chunk, n_valid) not in params:
+            params[(chunk, n_valid)] = kernels.attention_params(n_valid, chunk)
+        a = kernels.decode_attention(q, cache.keys, cache.values, n_valid, chunk, gate=gate,
+                                     params=params[(chunk, n_valid)])
+        return self.wo(a.reshape(1, -1))
 
     def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
         g, L = self.g, x.shape[0]
@@ -226,6 +262,15 @@ class FeedForward(nn.Module):
         self.wdown = Projection(t["ffn_down"], use_kernels)
         self.post_norm = _vector(t["post_ffw_norm"])
 
+    def decode_one(self, h: mx.array) -> mx.array:
+        """The kernel path for one token: h (1, n_embd) normed input -> Wdown output (1, n_embd)."""
+        if "wgate_up" in self:
+            gu = self.wgate_up(h)
+            gate, up = gu[:, :self.n_ff], gu[:, self.n_ff:]
+        else:
+            gate, up = self.wgate(h), self.wup(h)
+        return self.wdown(_silu_mul(gate, up))
+
     def __call__(self, x: mx.array) -> mx.array:
         h = mx.fast.rms_norm(x, self.ffn_norm, self.eps)
         if "wgate_up" in self:
@@ -267,6 +312,8 @@ class Model(nn.Module):
         ]
         self.output_norm = _vector(t["output_norm.weight"])
         self.output = Projection(t["output.weight"], on_gpu)
+        # RMSNorm epsilons of the fused residual step (kernels.residual_norm): post-norm, then the next norm.
+        self.eps_post_rms = mx.array([POST_NORM_EPS, g.rms_eps], dtype=mx.float32)
         mx.eval(self.parameters())
 
     @property
@@ -292,6 +339,8 @@ class Model(nn.Module):
         g = self.geometry
         L = tokens.shape[0]
         cache.check_room(L)
+        if L == 1 and self.backend is not None and cache.dtype == mx.float16:
+            return self.decode_one(tokens, cache)
         positions = np.arange(cache.offset, cache.offset + L, dtype=np.int64)
         rope = rope_tables(positions, g.rope_dim, g.rope_base_swa)
         x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
@@ -302,11 +351,28 @@ class Model(nn.Module):
                 mx.eval(x, layer_cache.state())
         if not all_logits:
             x = x[-1:]
-        logits = self.output(mx.fast.rms_norm(x, self.output_norm, g.rms_eps)) * g.logit_scale
-        if g.final_logit_softcap:
-            c = g.final_logit_softcap
-            logits = mx.tanh(logits / c) * c
-        return logits
+        return _final_logits(self.output(mx.fast.rms_norm(x, self.output_norm, g.rms_eps)), g.logit_scale,
+                             g.final_logit_softcap)
+
+    def decode_one(self, tokens: mx.array, cache: SlotCache) -> mx.array:
+        """One token on the kernel path, in about 13 launches per layer (docs/kernels.md, "decode step").
+
+        The same forward pass as __call__, regrouped: each sub-layer's post-norm and residual
+        add are fused with the next sub-layer's input norm (kernels.residual_norm)."""
+        g = self.geometry
+        cos, sin = rope_cos_sin(np.array([cache.offset]), g.rope_dim, g.rope_base_swa)
+        rope = mx.array(np.concatenate([cos.reshape(-1), sin.reshape(-1)]))
+        x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
+        h = mx.fast.rms_norm(x, self.blocks[0].attention.attn_norm, g.rms_eps)
+        params: dict = {}
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+            att, ffn = block.attention, block.feed_forward
+            o = att.decode_one(h, rope, layer_cache, params)
+            x, h = kernels.residual_norm(x, o, att.post_norm, ffn.ffn_norm, self.eps_post_rms)
+            f = ffn.decode_one(h)
+            w_next = self.blocks[i + 1].attention.attn_norm if i + 1 < len(self.blocks) else self.output_norm
+            x, h = kernels.residual_norm(x, f, ffn.post_norm, w_next, self.eps_post_rms)
+        return _final_logits(self.output(h), g.logit_scale, g.final_logit_softcap)
 
     def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK,
                 all_logits: bool = False) -> mx.array:
@@ -321,6 +387,14 @@ class Model(nn.Module):
         return mx.concatenate(outs, axis=0) if all_logits else outs[-1]
 
 
+def _final_logits(logits: mx.array, scale: float, softcap: float) -> mx.array:
+    """logits * scale, then c * tanh(logits / c) when the file sets a softcap c."""
+    logits = logits * scale
+    if softcap:
+        logits = mx.tanh(logits / softcap) * softcap
+    return logits
+
+
 def load(path, use_kernels: bool | None = None) -> Model:
     """Open, validate and load a GGUF; `use_kernels=False` forces the reference path."""
     from .artifact import open_artifact
@@ -328,4 +402,4 @@ def load(path, use_kernels: bool | None = None) -> Model:
     return Model(open_artifact(path), use_kernels)
 
 
-__all__ = ["Model", "Projection", "load", "attention", "apply_rope", "rope_tables", "output_gate"]
+__all__ = ["Model", "Projection", "load", "attention", "apply_rope", "rope_cos_sin", "rope_tables", "output_gate"]

@@ -13,20 +13,17 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 
 mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama
-setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+[ "${LLAMA_BUILD:-1}" = 1 ] && setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > /tmp/llama/build.log 2>&1 \
   && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
   > /dev/null 2>&1 < /dev/null &
 
-MUSE_GPU_RECEIPT="$OUT/verification.json" timeout 300 python3 -m pytest tests/gpu -v -p no:cacheprovider -rf \
+MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -v -p no:cacheprovider -rf \
   --tb=line > "$OUT/gpu-tests.log" 2>&1
 grep -E "PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | awk '{print $2}' | sort | uniq -c; grep -E "^FAILED|Error" "$OUT/gpu-tests.log" | head -12
 
 python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
-timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --receipt "$OUT/bench-ours.json" 2>&1 \
-  | tee "$OUT/bench.log"
-# The same cells with the raw blocks copied into GPU-allocated memory (docs/kernels.md, item 3).
-MUSE_MLX_DEVICE_COPY=1 timeout 150 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --depths 0 \
-  --prefill "" --reps 3 --receipt "$OUT/bench-ours-device-copy.json" 2>&1 | tee "$OUT/bench-device-copy.log"
-echo "llama.cpp build: $(cat /tmp/llama/build.rc 2>/dev/null || echo running)"; tail -2 /tmp/llama/build.log
+timeout 240 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic ${BENCH_ARGS:-} \
+  --receipt "$OUT/bench-ours.json" 2>&1 | tee "$OUT/bench.log"
+echo "llama.cpp build: $(cat /tmp/llama/build.rc 2>/dev/null || echo running)"; tail -2 /tmp/llama/build.log 2>/dev/null

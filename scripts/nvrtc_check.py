@@ -32,8 +32,6 @@ CASES = [
       for b in (1, 8)],
     *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
       for wt in ("float32", "float16", "bfloat16")],
-    *[(f"matvec_wide_{v}", ["uint8", "float32"], ["float32"], [("K", k), ("N", 4096), ("R", 16), ("TPG", 224)])
-      for v in ("q4_k", "q6_k", "q4_k_magic", "q6_k_magic") for k in (6656, 19968)],
     *[(f"matvec_stream_{v}", ["uint8", "float32"], ["float32"],
        [("K", k), ("N", 4096), ("TPG", -(-k // 256 * 8 // 32) * 32), ("R", 8), ("RF", rf)])
       for v in ("q4_k", "q6_k") for k in (4096, 6656, 19968) for rf in (2, 4)],
@@ -42,6 +40,11 @@ CASES = [
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64)]),
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128)]),
+    ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"], [("HD", 128)]),
+    *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
+       [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32)])
+      for hd, rh in ((128, 64), (128, 0), (48, 16))],
+    ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
 ]
 
 

@@ -4,8 +4,8 @@ Questions, each answered by a timed contrast (wall time around mx.eval, which wa
   1. residency: does a kernel read MLX arrays made from host data (CUDA managed memory)
      as fast as arrays a GPU op made (device memory)?  A read-only kernel and our
      one-token Q4_K matvec on both.
-  2. conversion: the int->float conversion of each nibble (1/8 of the FMA rate on Hopper)
-     against a byte-permute "magic float" (q4_k vs q4_k_magic, q6_k vs q6_k_magic).
+  2. (stream) the streaming one-token matvecs: a float64 check, then a sweep of rows per
+     step, rows loaded together and grid size at every layer shape, and a whole token.
   3. launch cost: a chain of tiny custom kernels and of tiny MLX ops, graph build and eval
      timed apart.
   4. the whole token: one token's 261 projections at the pinned geometry, weights made on
@@ -79,15 +79,6 @@ def read_once(w):
     blocks = 132 * 8
     return _read_kernel(inputs=[w], template=[("NV", nv)], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
                         output_shapes=[(blocks * 256,)], output_dtypes=[mx.uint32])[0]
-
-
-def wide(w, x, variant, K, N):
-    per_block = 8 if variant.startswith("q4") else 16
-    tpg = kernels._threads_for(K // 256 * per_block)
-    groups = -(-N // kernels.WIDE_ROWS)
-    return kernels.kernel(f"matvec_wide_{variant}")(
-        inputs=[w, x], template=[("K", K), ("N", N), ("R", kernels.WIDE_ROWS), ("TPG", tpg)],
-        grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)], output_dtypes=[mx.float32])[0]
 
 
 def stream(w, x, variant, K, N, R=8, RF=4, groups=None):
@@ -206,16 +197,17 @@ def section_residency(res, host: bool):
         r["read_2GiB_GBps"] = stats([4 * big.nbytes / s / 1e9 for s in t])
         t = timed(lambda w=w, n=reps_in_graph: [read_once(w) for _ in range(n)])
         r["read_gateup_GBps"] = stats([reps_in_graph * w.nbytes / s / 1e9 for s in t])
-        for variant in ("q4_k", "q4_k_magic"):
-            t = timed(lambda w=w, v=variant, n=reps_in_graph: [wide(w, x, v, K, N) for _ in range(n)])
+        for variant in ("q4_k",):
+            t = timed(lambda w=w, v=variant, n=reps_in_graph: [stream(w, x, v, K, N, groups=264) for _ in range(n)])
             r[f"{variant}_gateup_GBps"] = stats([reps_in_graph * w.nbytes / s / 1e9 for s in t])
             r[f"{variant}_gateup_us"] = stats([s / reps_in_graph * 1e6 for s in t])
         # Q6_K ffn_down shape: 6,656 x 19,968
         Kd, Nd = g.n_ff, g.n_embd
         wd = make(Nd, Kd // 256 * Q6, seed=2)
         xd = mx.random.normal((Kd,))
-        for variant in ("q6_k", "q6_k_magic"):
-            t = timed(lambda w=wd, x=xd, v=variant, n=reps_in_graph, k=Kd, m=Nd: [wide(w, x, v, k, m) for _ in range(n)])
+        for variant in ("q6_k",):
+            t = timed(lambda w=wd, x=xd, v=variant, n=reps_in_graph, k=Kd, m=Nd:
+                      [stream(w, x, v, k, m, RF=2, groups=264) for _ in range(n)])
             r[f"{variant}_down_GBps"] = stats([reps_in_graph * wd.nbytes / s / 1e9 for s in t])
         res[f"residency_{where}"] = r
         print(where, {k: round(v["mean"], 1) for k, v in r.items()}, flush=True)
@@ -273,12 +265,12 @@ def section_token(res, host: bool, tag: str):
     mx.eval(list(xs.values()))
     total = sum(w.nbytes for w in ws)
     r = {"weight_bytes": total, "launches": len(shapes)}
-    for form in ("", "_magic"):
-        def token(ws=ws, form=form):
-            return [wide(w, xs[K], v + form, K, N) for w, (K, N, b, v) in zip(ws, shapes)]
-        t = timed(token, reps=5, warmup=2)
-        r[f"wide{form or '_int'}_ms"] = stats([s * 1e3 for s in t])
-        r[f"wide{form or '_int'}_GBps"] = stats([total / s / 1e9 for s in t])
+    def token(ws=ws):
+        return [stream(w, xs[K], v, K, N, RF=4 if v == "q4_k" else 2, groups=264)
+                for w, (K, N, b, v) in zip(ws, shapes)]
+    t = timed(token, reps=5, warmup=2)
+    r["stream_ms"] = stats([s * 1e3 for s in t])
+    r["stream_GBps"] = stats([total / s / 1e9 for s in t])
 
     def reads(ws=ws):
         return [read_once(w) for w in ws]

@@ -29,7 +29,8 @@ def test_metal_source_names_its_thread_attributes(name):
     _, source = kernels.render(family, parts, "metal")
     body = "".join(kernels.sections(family)[p] for p in parts)
     uses = {"LANE": "thread_index_in_simdgroup", "WARP": "simdgroup_index_in_threadgroup",
-            "GROUP_X": "threadgroup_position_in_grid", "THREAD_X": "thread_position_in_threadgroup"}
+            "GROUP_X": "threadgroup_position_in_grid", "THREAD_X": "thread_position_in_threadgroup",
+            "NUM_GROUPS_X": "threadgroups_per_grid"}
     for macro, attribute in uses.items():
         if macro in body:
             assert attribute in source
@@ -50,12 +51,8 @@ def test_reference_switch(monkeypatch):
     assert kernels.backend() is None
 
 
-def test_threads_per_group_minimise_idle_units():
-    def idle(units, t):
-        return -(-units // t) * t - units
-
-    assert kernels._threads_for(208) == 224    # Q4_K at K = 6,656: 208 units, 16 idle
-    for units in (64, 100, 208, 416, 624, 1248):
-        t = kernels._threads_for(units)
-        assert t % 32 == 0 and 128 <= t <= 256
-        assert all(idle(units, t) <= idle(units, other) for other in range(128, 257, 32))
+def test_stream_threads_hold_one_unit_each():
+    """One 32-value unit of K per thread at the pinned shapes (the x values stay in registers)."""
+    assert [kernels.stream_threads(k) for k in (4096, 6656, 19968)] == [128, 224, 640]
+    assert kernels.stream_threads(256) == 32          # the fixtures: 8 units, one simdgroup
+    assert kernels.stream_threads(33024) == 1024      # 1,032 units: two for some threads

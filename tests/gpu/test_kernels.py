@@ -54,11 +54,11 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("batch", [1, 5, 8])
 def test_matvec(qtype, shape, batch):
-    """Batch 1 is the one-token kernel (matvec_wide) for Q4_K and Q6_K, the simple one otherwise."""
+    """Batch 1 is the streaming one-token kernel (matvec_stream) for Q4_K and Q6_K, the simple one otherwise."""
     if shape[0] == 202048 and (batch != 1 or qtype not in (QT.Q6_K, QT.Q4_K)):
         pytest.skip("LM head: Q6_K (its type in Q4_K_M) and Q4_K, one token")
-    if batch == 8 and shape != (4096, 6656):
-        pytest.skip("batch 8 at one shape; 5 covers the others")
+    if batch > 1 and shape != (4096, 6656):
+        pytest.skip("batches 5 and 8 at one shape (the same code path at every shape)")
     n, k = shape
     rng = np.random.default_rng([SEED, n, k, batch, int(qtype)])
     w = mx.array(random_blocks(n, k, qtype, rng))
@@ -70,6 +70,26 @@ def test_matvec(qtype, shape, batch):
     err = rel_err(out, ref)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
     record("matvec", qtype=qtype.name, n=n, k=k, batch=batch, rel_err=err, finite=bool(np.isfinite(out).all()), **{"pass": ok})
+    assert ok, err
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (9, 33024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("groups", ["default", "3"])
+def test_matvec_stream_other_shapes(qtype, shape, groups, monkeypatch):
+    """Row counts that leave a row group partly empty, K past 1024 units per thread (33,024 = 129
+    blocks: two units per thread), and a grid smaller than the row groups (persistent loop)."""
+    if groups != "default":
+        monkeypatch.setenv("MUSE_MLX_STREAM_GROUPS", groups)
+    n, k = shape
+    rng = np.random.default_rng([SEED, n, k, int(qtype), len(groups)])
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
+    out = np.array(kernels.matvec(w, qtype, x, init_value=float("nan"))).astype(np.float64)
+    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, qtype)).astype(np.float64).T
+    err = rel_err(out, ref)
+    ok = bool(np.isfinite(out).all() and err < 1e-5)
+    record("matvec_stream", qtype=qtype.name, n=n, k=k, groups=groups, rel_err=err, **{"pass": ok})
     assert ok, err
 
 
@@ -128,6 +148,78 @@ def test_decode_attention_other_geometry():
     err = rel_err(out.astype(np.float64), attention_ref(q, keys, values, 257))
     record("decode_attention", kind="hd48-gqa6", cap=300, n_valid=257, rel_err=err, **{"pass": err < 1e-5})
     assert err < 1e-5
+
+
+def test_decode_attention_gated():
+    """The output gate fused into the combine step: out = attention * sigmoid(gate)."""
+    rng = np.random.default_rng([SEED, 99])
+    q = mx.array(rng.standard_normal((32, 128)).astype(np.float32))
+    keys = mx.array((rng.standard_normal((2, 500, 128)) * 0.5).astype(np.float16))
+    values = mx.array(rng.standard_normal((2, 500, 128)).astype(np.float16))
+    gate = rng.standard_normal(32 * 128).astype(np.float32) * 3
+    out = np.array(kernels.decode_attention(q, keys, values, 433, kernels.PLANE_CHUNK, init_value=float("nan"),
+                                            gate=mx.array(gate)))
+    ref = attention_ref(q, keys, values, 433) / (1 + np.exp(-gate.astype(np.float64).reshape(32, 128)))
+    err = rel_err(out.astype(np.float64), ref)
+    record("decode_attention_gated", n_valid=433, rel_err=err, **{"pass": err < 1e-5})
+    assert err < 1e-5
+
+
+def rmsnorm64(x, w, eps):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+@pytest.mark.parametrize("n_head, n_kv, hd, rope_half", [(32, 2, 128, 64), (32, 2, 128, 0), (12, 2, 48, 16),
+                                                          (8, 8, 32, 16)])
+def test_qk_post(n_head, n_kv, hd, rope_half):
+    """Per-head RMSNorm of q and k, RoPE in ggml's NORM mode (adjacent pairs), K/V rounded to f16."""
+    rng = np.random.default_rng([SEED, n_head, hd, rope_half])
+    q, k, v = (rng.standard_normal(n * hd).astype(np.float32) * 3 for n in (n_head, n_kv, n_kv))
+    qn, kn = (rng.uniform(0.5, 1.5, hd).astype(np.float32) for _ in range(2))
+    ang = rng.uniform(-50, 50, max(rope_half, 1)).astype(np.float32)
+    rope = np.concatenate([np.cos(ang), np.sin(ang)]).astype(np.float32)
+    eps = 1e-3
+    qo, ko, vo = kernels.qk_post(mx.array(q), mx.array(k), mx.array(v), mx.array(qn), mx.array(kn), mx.array(rope),
+                                 rope_half, mx.array([eps], dtype=mx.float32), n_head, n_kv, hd,
+                                 init_value=float("nan"))
+
+    def rotate(x):  # (heads, hd), the reference's apply_rope on adjacent pairs
+        x = x.copy()
+        c, s_ = rope[:rope_half].astype(np.float64), rope[rope_half:2 * rope_half].astype(np.float64)
+        x0, x1 = x[:, 0:2 * rope_half:2].copy(), x[:, 1:2 * rope_half:2].copy()
+        x[:, 0:2 * rope_half:2], x[:, 1:2 * rope_half:2] = x0 * c - x1 * s_, x0 * s_ + x1 * c
+        return x
+
+    q_ref = rotate(rmsnorm64(q.reshape(n_head, hd), qn, eps))
+    k_ref = rotate(rmsnorm64(k.reshape(n_kv, hd), kn, eps))
+    eq = rel_err(np.array(qo).astype(np.float64), q_ref)
+    # K and V: the f16 rounding of the float64 value, allowing one f16 ulp where float32 noise straddles a tie
+    ek = np.abs(np.array(ko).reshape(n_kv, hd).astype(np.float64) - k_ref.astype(np.float16).astype(np.float64))
+    ev = np.abs(np.array(vo).reshape(n_kv, hd) - v.reshape(n_kv, hd).astype(np.float16))
+    ulp = np.abs(k_ref) * 2.0 ** -10
+    ok = bool(eq < 1e-6 and (ek <= ulp).all() and (ev == 0).all() and np.isfinite(np.array(qo)).all())
+    record("qk_post", n_head=n_head, n_kv=n_kv, hd=hd, rope_half=rope_half, q_rel_err=eq,
+           k_max_err_ulps=float((ek / np.maximum(ulp, 1e-30)).max()), v_exact=bool((ev == 0).all()), **{"pass": ok})
+    assert ok, (eq, float(ek.max()), float(ev.max()))
+
+
+@pytest.mark.parametrize("n", [6656, 256, 1000, 4097])
+def test_residual_norm(n):
+    """x + rmsnorm(f) * w_post (eps 1e-8), then rmsnorm of that (eps 1e-3) * w_next."""
+    rng = np.random.default_rng([SEED, n])
+    x, f = (rng.standard_normal(n).astype(np.float32) * 4 for _ in range(2))
+    wp, wn = (rng.uniform(0.2, 2.0, n).astype(np.float32) for _ in range(2))
+    eps = mx.array([1e-8, 1e-3], dtype=mx.float32)
+    xo, h = kernels.residual_norm(mx.array(x)[None], mx.array(f)[None], mx.array(wp), mx.array(wn), eps,
+                                  init_value=float("nan"))
+    x_ref = x.astype(np.float64) + rmsnorm64(f, wp, 1e-8)
+    h_ref = rmsnorm64(x_ref, wn, 1e-3)
+    ex, eh = rel_err(np.array(xo).reshape(-1).astype(np.float64), x_ref), \
+        rel_err(np.array(h).reshape(-1).astype(np.float64), h_ref)
+    ok = bool(ex < 1e-6 and eh < 1e-6)
+    record("residual_norm", n=n, x_rel_err=ex, h_rel_err=eh, **{"pass": ok})
+    assert ok, (ex, eh)
 
 
 # ---- the kernel path against the reference path, whole model ---------------------------
