@@ -65,3 +65,9 @@ inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
   return MAKE_FLOAT2(float(low ? (a & 63u) : ((c & 15u) | ((a >> 6 & 3u) << 4))),
                      float(low ? (b & 63u) : ((c >> 4 & 15u) | ((b >> 6 & 3u) << 4))));
 }
+
+// silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, the FFN's gated activation.
+template <typename P> inline float silu_mul_at(P g, P u, int i) {
+  const float a = g[i];
+  return a / (1.0f + EXPF(-a)) * u[i];
+}

@@ -21,6 +21,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // Byte k (0..3) of v as the float 2^23 + byte, built with one byte permute (no int->float
 // conversion, which runs at 1/8 of the FMA rate); subtract 8388608.0f for the byte's value.
 #define BYTE_MAGIC_FLOAT(v, k) __uint_as_float(__byte_perm((v), 0x4Bu, 0x4550u | uint32_t(k)))
+// Byte k of v as bits 16-23 under 0x3F: with the byte 0x80 | n << 3 that is the float 1 + n/16.
+#define BYTE_UNIT_FLOAT(v, k) __uint_as_float(__byte_perm((v), 0x3Fu, 0x4055u | (uint32_t(k) << 8)))
 // The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
 #define FUNNEL_R(lo, hi, s) __funnelshift_r((lo), (hi), (s))
 #define RSQRTF(x) rsqrtf(x)

@@ -14,6 +14,8 @@ inline float warp_sum(float v) { return simd_sum(v); }
 inline float warp_max(float v) { return simd_max(v); }
 // Byte k (0..3) of v as the float 2^23 + byte (see dialect_cuda.h); subtract 8388608.0f.
 #define BYTE_MAGIC_FLOAT(v, k) as_type<float>(0x4B000000u | (((v) >> (8u * uint32_t(k))) & 0xFFu))
+// Byte k of v as bits 16-23 under 0x3F (see dialect_cuda.h).
+#define BYTE_UNIT_FLOAT(v, k) as_type<float>(0x3F000000u | ((((v) >> (8u * uint32_t(k))) & 0xFFu) << 16))
 // The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
 #define FUNNEL_R(lo, hi, s) uint32_t(((ulong(hi) << 32) | ulong(lo)) >> (s))
 #define RSQRTF(x) metal::rsqrt(x)

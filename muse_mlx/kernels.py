@@ -56,11 +56,20 @@ def sections(family: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1].strip("\n") + "\n" for i in range(1, len(parts), 2)}
 
 
+def strip_comments(text: str) -> str:
+    """The text without `//` comment lines and blank lines.
+
+    MLX rebuilds and hashes a custom kernel's whole source on every call, so the comments,
+    which are most of the text, cost host time per launch."""
+    lines = (ln.rstrip() for ln in text.splitlines())
+    return "".join(ln + "\n" for ln in lines if ln and not ln.lstrip().startswith("//"))
+
+
 def render(family: str, parts: list[str], which: str) -> tuple[str, str]:
-    """(header, source) of one kernel for backend `which` ('metal' or 'cuda')."""
+    """(header, source) of one kernel for backend `which` ('metal' or 'cuda'), comments stripped."""
     body = sections(family)
-    header = _read(f"dialect_{which}.h") + "\n" + _read("blocks.h")
-    source = _read(f"indices_{which}.h") + "\n" + "".join(body[p] for p in parts)
+    header = strip_comments(_read(f"dialect_{which}.h") + "\n" + _read("blocks.h"))
+    source = strip_comments(_read(f"indices_{which}.h") + "\n" + "".join(body[p] for p in parts))
     return header, source
 
 
@@ -69,7 +78,11 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    **{f"matvec_stream_{v}": ("matvec_stream", ["prologue", v, "epilogue"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k")},
+    # streaming one-token matvecs: matvec_stream[_silu]_<format>[_<Q4_K nibble form>]
+    **{f"matvec_stream{act}_{v}{'_' + form if form != 'unit' else ''}":
+       ("matvec_stream", ["prologue", f"nibbles_{form}", xs, v, "epilogue"], ["w", *inputs], ["y"])
+       for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+       for v, forms in (("q4_k", ("unit", "magic")), ("q6_k", ("unit",))) for form in forms},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine", "store"], ["part_o", "part_ml", "params"], ["out"]),
     "attention_combine_gated": ("attention", ["combine", "store_gated"], ["part_o", "part_ml", "params", "gate"],
@@ -95,6 +108,7 @@ def kernel(name: str, which: str | None = None):
 
 
 STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}   # name, rows per step R, rows loaded RF
+QT_ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 
 
 def stream_groups() -> int:
@@ -108,10 +122,29 @@ def stream_groups() -> int:
     return 264 if backend() == "cuda" else 64
 
 
-def stream_threads(K: int) -> int:
-    """Threads of a streaming matvec: one 32-value unit of K each, rounded up to whole simdgroups,
-    at most 1024 (past that a thread holds several units)."""
-    return min(1024, -(-(K // 32) // 32) * 32)
+STREAM_MAX_THREADS = 640   # 65,536 registers / 640 threads = 102 each; the kernels use 72-92 (ptxas, sm_90a)
+
+
+def stream_threads(K: int) -> int | None:
+    """Threads of a streaming matvec: one 32-value unit of K each, rounded up to whole simdgroups.
+
+    None past STREAM_MAX_THREADS (K > 20,480): MLX launches without launch bounds, so a larger
+    group could ask for more registers than a multiprocessor has; such rows take matvec.inc."""
+    t = -(-(K // 32) // 32) * 32
+    return t if t <= STREAM_MAX_THREADS else None
+
+
+def q4_form() -> str:
+    """Q4_K nibbles as floats: 'unit' (1 + n/16, default) or 'magic' (2^23 + n - 2^23); MUSE_MLX_Q4_FORM."""
+    form = os.environ.get("MUSE_MLX_Q4_FORM", "unit")
+    if form not in ("unit", "magic"):
+        raise ValueError(f"MUSE_MLX_Q4_FORM must be 'unit' or 'magic', got {form!r}")
+    return form
+
+
+def _stream_name(variant: str, act: str = "") -> str:
+    form = q4_form() if variant == "q4_k" else "unit"
+    return f"matvec_stream{act}_{variant}" + ("" if form == "unit" else f"_{form}")
 
 
 def stream_enabled() -> bool:
@@ -131,12 +164,12 @@ def matvec(w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None)
         raise ValueError(f"matvec takes 1..{MAX_BATCH} rows, got {B}")
     x = x.astype(mx.float32)
     N = w.shape[0]
-    if B == 1 and qtype in STREAM_VARIANTS and stream_enabled():
+    if B == 1 and streams(qtype, K):
         variant, R, RF = STREAM_VARIANTS[qtype]
         tpg = stream_threads(K)
         groups = min(-(-N // R), stream_groups())
-        return kernel(f"matvec_stream_{variant}")(
-            inputs=[w, x.reshape(-1)], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
+        return kernel(_stream_name(variant))(
+            inputs=[w, x], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
             grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
             output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
     groups = -(-N // ROWS_PER_GROUP)
@@ -148,6 +181,26 @@ def matvec(w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None)
         return kernel(f"matvec_{QUANT_VARIANTS[qtype]}")(inputs=[w, x, xs], template=template, **launch)[0]
     weights = w.view(FLOAT_DTYPES[qtype]).reshape(N, K)
     return kernel("matvec_float")(inputs=[weights, x], template=template + [("WT", weights.dtype)], **launch)[0]
+
+
+def streams(qtype: QT, K: int) -> bool:
+    """Whether a one-token product with this matrix takes the streaming kernel."""
+    return qtype in STREAM_VARIANTS and stream_enabled() and stream_threads(K) is not None
+
+
+def matvec_silu(w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset: int = 0,
+                init_value: float | None = None) -> mx.array:
+    """W @ (silu(gate) * up) for one token, the activation made inside the streaming kernel
+    (streams(qtype, K) must hold). gate: K float32 values from its start; up: K from `up_offset`
+    (pass one stacked gate|up output as both, up_offset = K). Returns (1, N) float32."""
+    K, N = w.shape[1] // QT_ROW_BYTES_PER_256[qtype] * 256, w.shape[0]
+    variant, R, RF = STREAM_VARIANTS[qtype]
+    tpg = stream_threads(K)
+    groups = min(-(-N // R), stream_groups())
+    return kernel(_stream_name(variant, "_silu"))(
+        inputs=[w, gate, up], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF), ("UP_OFF", up_offset)],
+        grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
+        output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
 
 
 # ---- decode attention ----------------------------------------------------------------
@@ -163,13 +216,14 @@ def attention_params(n_valid: int, chunk: int) -> mx.array:
 
 
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int, chunk: int,
-                     init_value: float | None = None, gate: mx.array | None = None,
-                     params: mx.array | None = None) -> mx.array:
+                     init_value: float | None = None, gate: mx.array | None = None, gate_offset: int = 0,
+                     params: mx.array | None = None, out_shape: tuple | None = None) -> mx.array:
     """One query token over rows 0..n_valid-1 of (n_kv, CAP, HD) f16 K/V. q (n_head, HD) -> (n_head, HD) f32.
 
-    With `gate` (n_head * HD), the output is multiplied by sigmoid(gate) (the attention output
-    gate, model.output_gate) in the same launch. `params` may be passed in precomputed
-    (attention_params(n_valid, chunk)): every layer of a kind shares it within a token."""
+    With `gate` (n_head * HD values from `gate_offset`), the output is multiplied by sigmoid(gate)
+    (the attention output gate, model.output_gate) in the same launch. `params` may be passed in
+    precomputed (attention_params(n_valid, chunk)): every layer of a kind shares it within a token.
+    `out_shape` reshapes the result in the launch itself (default (n_head, HD))."""
     n_head, hd = q.shape
     n_kv, cap, _ = keys.shape
     group = n_head // n_kv
@@ -178,32 +232,35 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
     params = attention_params(n_valid, chunk) if params is None else params
     template = [("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)]
     part_o, part_ml = kernel("attention_partial")(
-        inputs=[q.astype(mx.float32), keys, values, params], template=template,
+        inputs=[q, keys, values, params], template=template,
         grid=(nsplit * nw * 32, n_kv, 1), threadgroup=(nw * 32, 1, 1),
         output_shapes=[(n_head * nsplit * hd,), (n_head * nsplit * 2,)],
         output_dtypes=[mx.float32, mx.float32], stream=mx.gpu)
     name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
-        ("attention_combine_gated", [part_o, part_ml, params, gate.reshape(-1)])
+        ("attention_combine_gated", [part_o, part_ml, params, gate])
     return kernel(name)(
-        inputs=inputs, template=[("HD", hd)],
+        inputs=inputs, template=[("HD", hd)] + ([("GATE_OFF", gate_offset)] if gate is not None else []),
         grid=(n_head * 32, 1, 1), threadgroup=(32, 1, 1),
-        output_shapes=[(n_head, hd)], output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
+        output_shapes=[out_shape or (n_head, hd)], output_dtypes=[mx.float32], init_value=init_value,
+        stream=mx.gpu)[0]
 
 
 # ---- the steps between the products of one decode token (custom_kernels/decode_glue.inc) ----
 
 
 def qk_post(q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,
-            rope_half: int, eps: mx.array, n_head: int, n_kv: int, head_dim: int,
-            init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """One token's q, k, v (flat f32) -> q normed and rotated (n_head, hd) f32, k and v (n_kv, 1, hd) f16.
+            rope_half: int, eps: mx.array, n_head: int, n_kv: int, head_dim: int, q_offset: int = 0,
+            k_offset: int = 0, init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """One token's q, k, v (f32) -> q normed and rotated (n_head, hd) f32, k and v (n_kv, 1, hd) f16.
 
-    `rope` is cos then sin of the rope_half angles (model.rope_tables), unused when rope_half is
-    0 (NoPE); `eps` a 1-element f32 array (the RMSNorm epsilon)."""
+    q and k are read from `q_offset` and `k_offset` of their arrays (pass one stacked Q|K|gate
+    output as both). `rope` is cos then sin of the rope_half angles (model.rope_cos_sin), unused
+    when rope_half is 0 (NoPE); `eps` a 1-element f32 array (the RMSNorm epsilon)."""
     tpg = -(-head_dim // 32) * 32
     q_out, k_out, v_out = kernel("qk_post")(
-        inputs=[q.reshape(-1), k.reshape(-1), v.reshape(-1), q_norm, k_norm, rope, eps],
-        template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg)],
+        inputs=[q, k, v, q_norm, k_norm, rope, eps],
+        template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg),
+                  ("Q_OFF", q_offset), ("K_OFF", k_offset)],
         grid=((n_head + 2 * n_kv) * tpg, 1, 1), threadgroup=(tpg, 1, 1),
         output_shapes=[(n_head, head_dim), (n_kv, 1, head_dim), (n_kv, 1, head_dim)],
         output_dtypes=[mx.float32, mx.float16, mx.float16], init_value=init_value, stream=mx.gpu)
@@ -216,7 +273,7 @@ def residual_norm(x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, 
     n = x.shape[-1]
     tpg = min(1024, -(-n // 32) * 32)
     x_out, h = kernel("residual_norm")(
-        inputs=[x.reshape(-1), f.reshape(-1), w_post, w_next, eps], template=[("N", n), ("TPG", tpg)],
+        inputs=[x, f, w_post, w_next, eps], template=[("N", n), ("TPG", tpg)],
         grid=(tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, n), (1, n)],
         output_dtypes=[mx.float32, mx.float32], init_value=init_value, stream=mx.gpu)
     return x_out, h

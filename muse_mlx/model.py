@@ -195,22 +195,23 @@ class Attention(nn.Module):
         of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
         combine step. `params` shares the attention scalars among the layers of a kind."""
         g = self.g
-        if "wqkg" in self:
-            qkg = self.wqkg(h)
-            q, k, gate = qkg[:, :g.q_dim], qkg[:, g.q_dim:g.q_dim + g.kv_dim], qkg[:, g.q_dim + g.kv_dim:]
+        if "wqkg" in self:  # one stacked product; the kernels read q, k and the gate at their offsets
+            q = k = gate = self.wqkg(h)
+            offsets = (0, g.q_dim, g.q_dim + g.kv_dim)
         else:
             q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
+            offsets = (0, 0, 0)
         rope_half = g.rope_dim // 2 if self.sliding else 0
         q, k16, v16 = kernels.qk_post(q, k, self.wv(h), self.q_norm, self.k_norm, rope, rope_half, self.eps,
-                                      g.n_head, g.n_head_kv, g.head_dim)
+                                      g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1])
         cache.append(k16, v16)
         n_valid = min(cache.offset, cache.capacity)
         chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
         if (chunk, n_valid) not in params:
             params[(chunk, n_valid)] = kernels.attention_params(n_valid, chunk)
-        a = kernels.decode_attention(q, cache.keys, cache.values, n_valid, chunk, gate=gate,
-                                     params=params[(chunk, n_valid)])
-        return self.wo(a.reshape(1, -1))
+        a = kernels.decode_attention(q, cache.keys, cache.values, n_valid, chunk, gate=gate, gate_offset=offsets[2],
+                                     params=params[(chunk, n_valid)], out_shape=(1, g.q_dim))
+        return self.wo(a)
 
     def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
         g, L = self.g, x.shape[0]
@@ -264,12 +265,18 @@ class FeedForward(nn.Module):
 
     def decode_one(self, h: mx.array) -> mx.array:
         """The kernel path for one token: h (1, n_embd) normed input -> Wdown output (1, n_embd)."""
+        down = self.wdown
+        fused = down.use_kernels and kernels.streams(down.qtype, self.n_ff)  # the activation made inside the product
         if "wgate_up" in self:
             gu = self.wgate_up(h)
+            if fused:
+                return kernels.matvec_silu(down.blocks, down.qtype, gu, gu, up_offset=self.n_ff)
             gate, up = gu[:, :self.n_ff], gu[:, self.n_ff:]
         else:
             gate, up = self.wgate(h), self.wup(h)
-        return self.wdown(_silu_mul(gate, up))
+            if fused:
+                return kernels.matvec_silu(down.blocks, down.qtype, gate, up)
+        return down(_silu_mul(gate, up))
 
     def __call__(self, x: mx.array) -> mx.array:
         h = mx.fast.rms_norm(x, self.ffn_norm, self.eps)

@@ -12,8 +12,8 @@ for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
 echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -3 /tmp/llama/build.log
 LB=/tmp/llama/llama.cpp/build/bin/llama-bench
 (cd /tmp/llama/llama.cpp && git rev-parse HEAD 2>/dev/null); $LB --version 2>&1 | head -3
-$LB -m /tmp/bench.gguf -ngl 99 -fa 1 -r 5 -p 512,2048 -n 0 -o json > "$OUT/llama-prefill.json" 2> "$OUT/llama-prefill.err"
-$LB -m /tmp/bench.gguf -ngl 99 -fa 1 -r 5 -p 0 -n 128 -d 0,32768 -o json > "$OUT/llama-decode.json" 2> "$OUT/llama-decode.err"
+$LB -m /tmp/bench.gguf -ngl 99 -fa 1 -r 5 -p 512,2048 -n 0 -o json > "$OUT/llama-prefill.json" 2> /tmp/llama-prefill.err
+$LB -m /tmp/bench.gguf -ngl 99 -fa 1 -r 5 -p 0 -n 128 -d 0,32768 -o json > "$OUT/llama-decode.json" 2> /tmp/llama-decode.err
 python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
@@ -29,5 +29,6 @@ for r in rows:
 PY
 timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --no-matvecs \
   --receipt "$OUT/bench-ours-after-llama.json" 2>&1 | tee "$OUT/bench-2.log"
+timeout 60 python3 scripts/probe_matvec.py --parts forms --receipt "$OUT/probe-forms.json" 2>&1
 python3 -m muse_mlx.bench --combine "$OUT/bench-ours-after-llama.json" "$OUT/llama-bench.json" \
   --receipt "$OUT/bench-compare.json"

@@ -34,15 +34,18 @@ CASES = [
       for wt in ("float32", "float16", "bfloat16")],
     *[(f"matvec_stream_{v}", ["uint8", "float32"], ["float32"],
        [("K", k), ("N", 4096), ("TPG", -(-k // 256 * 8 // 32) * 32), ("R", 8), ("RF", rf)])
-      for v in ("q4_k", "q6_k") for k in (4096, 6656, 19968) for rf in (2, 4)],
+      for v in ("q4_k", "q6_k", "q4_k_magic") for k in (4096, 6656, 19968) for rf in (2, 4)],
+    *[(f"matvec_stream_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
+       [("K", 19968), ("N", 6656), ("TPG", 640), ("R", 8), ("RF", 2), ("UP_OFF", 19968)]) for v in ("q4_k", "q6_k")],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 256)]),
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64)]),
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128)]),
-    ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"], [("HD", 128)]),
+    ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"], [("HD", 128), ("GATE_OFF", 4352)]),
     *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
-       [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32)])
+       [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),
+        ("K_OFF", 32 * hd)])
       for hd, rh in ((128, 64), (128, 0), (48, 16))],
     ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
 ]

@@ -166,6 +166,32 @@ def section_stream(res):
     mx.clear_cache()
 
 
+def section_forms(res):
+    """One token's projections through kernels.matvec (the engine's dispatch) under each Q4_K
+    nibble form (MUSE_MLX_Q4_FORM), weights made on the GPU (random bytes)."""
+    from gguf import GGMLQuantizationType as QT
+
+    shapes = token_shapes()
+    ws = [device_bytes(N, K // 256 * b, seed=i) for i, (K, N, b, _) in enumerate(shapes)]
+    xs = {K: mx.random.normal((1, K)) for K, *_ in shapes}
+    mx.eval(list(xs.values()))
+    total = sum(w.nbytes for w in ws)
+    qt = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
+    r = {"weight_bytes": total, "launches": len(shapes)}
+    for form in ("unit", "magic", "unit"):
+        os.environ["MUSE_MLX_Q4_FORM"] = form
+
+        def token(ws=ws):
+            return [kernels.matvec(w, qt[v], xs[K]) for w, (K, N, b, v) in zip(ws, shapes)]
+        t = timed(token, reps=5, warmup=2)
+        r.setdefault(f"{form}_ms", []).append(stats([s * 1e3 for s in t]))
+    os.environ.pop("MUSE_MLX_Q4_FORM")
+    res["token_forms"] = r
+    print("forms", {k: [round(c["mean"], 3) for c in v] for k, v in r.items() if k.endswith("_ms")}, flush=True)
+    del ws
+    mx.clear_cache()
+
+
 def per_launch(fn, launches, reps=5):
     """fn() -> list of `launches` arrays; returns build and eval time per launch (us)."""
     mx.eval(fn())
@@ -293,6 +319,8 @@ def main():
     parts = a.parts.split(",")
     if "stream" in parts:
         section_stream(res)
+    if "forms" in parts:
+        section_forms(res)
     if "residency" in parts:
         section_residency(res, a.host)
     if "launch" in parts:

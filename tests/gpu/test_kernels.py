@@ -50,6 +50,66 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+# ---- the kernel path against the reference path, whole model ---------------------------
+
+
+def log_softmax(x):
+    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def run(path, tokens, prefill, use_kernels):
+    device = mx.gpu if use_kernels else mx.cpu
+    with mx.stream(device):
+        model = load(path, use_kernels=use_kernels)
+        cache = model.make_cache(len(tokens))
+        # chunks of 100 then 3: the dequantize-and-matmul path, then the batched matvec path
+        rows = [np.array(model.prefill(mx.array(tokens[:prefill]), cache, chunk=100, all_logits=True))]
+        for t in tokens[prefill:]:
+            rows.append(np.array(model(mx.array([int(t)]), cache)))
+    return np.concatenate(rows)
+
+
+@pytest.fixture(scope="module")
+def fixture_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu-fixtures")
+    g = DEFAULT_GEOMETRY
+    files = {t.name: write_fixture(d / f"{t.name}.gguf", weight_type=t) for t in (QT.F32, QT.F16, QT.Q8_0)}
+    files["Q4_K_M-random"] = write_random_blocks(d / "q4km.gguf", g, kquant_mix(g), seed=3)
+    nv = {name: (QT.NVFP4 if len(shape) == 2 else QT.F32) for name, shape in g.tensor_shapes().items()}
+    files["NVFP4-random"] = write_random_blocks(d / "nvfp4.gguf", g, nv, seed=4)
+    return files
+
+
+# Max / mean |Δ log-prob| allowed. The random-block fixtures are ill-conditioned (logits of
+# standard deviation 10-19, against ~2 for the others), so float32 noise, amplified by the
+# f16 rounding of K/V, is larger and heavy-tailed: on the CPU the reference path itself
+# differs from the float64 reference by up to 8.3e-2 (Q4_K_M) and 5.3e-2 (NVFP4), 2.4e-3
+# mean (NVFP4), with top-1 1.0 (receipts/reference/float64.json). There the mean and the
+# top-1 agreement are the guards; a wrong block layout moves both by orders of magnitude.
+LOGIT_TOLERANCE = {"F32": (5e-3, 5e-4), "F16": (5e-3, 5e-4), "Q8_0": (5e-3, 5e-4),
+                   "Q4_K_M-random": (1.5e-1, 5e-3), "NVFP4-random": (1.5e-1, 5e-3)}
+
+
+@pytest.mark.parametrize("name", list(LOGIT_TOLERANCE))
+def test_kernel_path_logits_match_reference_path(fixture_files, name):
+    """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 57 decode
+    steps (one-token matvecs + kernel attention) over wrapped 64-row rings."""
+    tokens = np.random.default_rng([SEED, 7]).integers(0, DEFAULT_GEOMETRY.n_vocab, 160)
+    ours = run(fixture_files[name], tokens, 103, use_kernels=True)
+    ref = run(fixture_files[name], tokens, 103, use_kernels=False)
+    d = np.abs(log_softmax(ours) - log_softmax(ref))
+    top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
+    max_tol, mean_tol = LOGIT_TOLERANCE[name]
+    ok = bool(np.isfinite(ours).all() and d.max() < max_tol and d.mean() < mean_tol and top1 >= 0.98)
+    record("model_logits", fixture=name, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()),
+           top1=top1, **{"pass": ok})
+    assert ok, (d.max(), d.mean(), top1)
+
+
+# ---- single kernels against float64 ----------------------------------------------------
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("batch", [1, 5, 8])
@@ -74,11 +134,12 @@ def test_matvec(qtype, shape, batch):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (9, 33024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (9, 20480), (9, 33024)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("groups", ["default", "3"])
 def test_matvec_stream_other_shapes(qtype, shape, groups, monkeypatch):
-    """Row counts that leave a row group partly empty, K past 1024 units per thread (33,024 = 129
-    blocks: two units per thread), and a grid smaller than the row groups (persistent loop)."""
+    """Row counts that leave a row group partly empty, the widest streaming K (20,480: 640 threads),
+    a K past it (33,024: matvec.inc takes it), and a grid smaller than the row groups."""
     if groups != "default":
         monkeypatch.setenv("MUSE_MLX_STREAM_GROUPS", groups)
     n, k = shape
@@ -90,6 +151,41 @@ def test_matvec_stream_other_shapes(qtype, shape, groups, monkeypatch):
     err = rel_err(out, ref)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
     record("matvec_stream", qtype=qtype.name, n=n, k=k, groups=groups, rel_err=err, **{"pass": ok})
+    assert ok, err
+
+
+@pytest.mark.parametrize("shape", [(19968, 6656), (6656, 4096)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matvec_stream_q4k_magic_form(shape, monkeypatch):
+    """The other Q4_K nibble form (2^23 + n - 2^23), kept selectable for measurement."""
+    monkeypatch.setenv("MUSE_MLX_Q4_FORM", "magic")
+    n, k = shape
+    rng = np.random.default_rng([SEED, n, k, 44])
+    w = mx.array(random_blocks(n, k, QT.Q4_K, rng))
+    x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
+    out = np.array(kernels.matvec(w, QT.Q4_K, x, init_value=float("nan"))).astype(np.float64)
+    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, QT.Q4_K)).astype(np.float64).T
+    err = rel_err(out, ref)
+    ok = bool(np.isfinite(out).all() and err < 1e-5)
+    record("matvec_stream_q4k_magic", n=n, k=k, rel_err=err, **{"pass": ok})
+    assert ok, err
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(6656, 19968), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matvec_silu(qtype, shape):
+    """The FFN down product with silu(gate) * up made inside the kernel."""
+    n, k = shape
+    rng = np.random.default_rng([SEED, n, k, int(qtype), 5])
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    gate, up = (rng.standard_normal((1, k)).astype(np.float32) * 2 for _ in range(2))
+    gu = mx.array(np.concatenate([gate, up], axis=1))  # one stacked gate|up output, as the model passes it
+    out = np.array(kernels.matvec_silu(w, qtype, gu, gu, up_offset=k, init_value=float("nan")))
+    g64 = gate.astype(np.float64)
+    act = g64 / (1 + np.exp(-g64)) * up.astype(np.float64)
+    ref = act @ np.array(dequantize(w, qtype)).astype(np.float64).T
+    err = rel_err(out.astype(np.float64), ref)
+    ok = bool(np.isfinite(out).all() and err < 1e-5)
+    record("matvec_silu", qtype=qtype.name, n=n, k=k, rel_err=err, **{"pass": ok})
     assert ok, err
 
 
@@ -157,8 +253,9 @@ def test_decode_attention_gated():
     keys = mx.array((rng.standard_normal((2, 500, 128)) * 0.5).astype(np.float16))
     values = mx.array(rng.standard_normal((2, 500, 128)).astype(np.float16))
     gate = rng.standard_normal(32 * 128).astype(np.float32) * 3
+    stacked = mx.array(np.concatenate([rng.standard_normal(300).astype(np.float32), gate]))
     out = np.array(kernels.decode_attention(q, keys, values, 433, kernels.PLANE_CHUNK, init_value=float("nan"),
-                                            gate=mx.array(gate)))
+                                            gate=stacked, gate_offset=300))
     ref = attention_ref(q, keys, values, 433) / (1 + np.exp(-gate.astype(np.float64).reshape(32, 128)))
     err = rel_err(out.astype(np.float64), ref)
     record("decode_attention_gated", n_valid=433, rel_err=err, **{"pass": err < 1e-5})
@@ -180,9 +277,10 @@ def test_qk_post(n_head, n_kv, hd, rope_half):
     ang = rng.uniform(-50, 50, max(rope_half, 1)).astype(np.float32)
     rope = np.concatenate([np.cos(ang), np.sin(ang)]).astype(np.float32)
     eps = 1e-3
-    qo, ko, vo = kernels.qk_post(mx.array(q), mx.array(k), mx.array(v), mx.array(qn), mx.array(kn), mx.array(rope),
+    qk = mx.array(np.concatenate([q, k, rng.standard_normal(7).astype(np.float32)]))  # stacked, as the model passes it
+    qo, ko, vo = kernels.qk_post(qk, qk, mx.array(v), mx.array(qn), mx.array(kn), mx.array(rope),
                                  rope_half, mx.array([eps], dtype=mx.float32), n_head, n_kv, hd,
-                                 init_value=float("nan"))
+                                 q_offset=0, k_offset=n_head * hd, init_value=float("nan"))
 
     def rotate(x):  # (heads, hd), the reference's apply_rope on adjacent pairs
         x = x.copy()
@@ -222,58 +320,3 @@ def test_residual_norm(n):
     assert ok, (ex, eh)
 
 
-# ---- the kernel path against the reference path, whole model ---------------------------
-
-
-def log_softmax(x):
-    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def run(path, tokens, prefill, use_kernels):
-    device = mx.gpu if use_kernels else mx.cpu
-    with mx.stream(device):
-        model = load(path, use_kernels=use_kernels)
-        cache = model.make_cache(len(tokens))
-        # chunks of 100 then 3: the dequantize-and-matmul path, then the batched matvec path
-        rows = [np.array(model.prefill(mx.array(tokens[:prefill]), cache, chunk=100, all_logits=True))]
-        for t in tokens[prefill:]:
-            rows.append(np.array(model(mx.array([int(t)]), cache)))
-    return np.concatenate(rows)
-
-
-@pytest.fixture(scope="module")
-def fixture_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu-fixtures")
-    g = DEFAULT_GEOMETRY
-    files = {t.name: write_fixture(d / f"{t.name}.gguf", weight_type=t) for t in (QT.F32, QT.F16, QT.Q8_0)}
-    files["Q4_K_M-random"] = write_random_blocks(d / "q4km.gguf", g, kquant_mix(g), seed=3)
-    nv = {name: (QT.NVFP4 if len(shape) == 2 else QT.F32) for name, shape in g.tensor_shapes().items()}
-    files["NVFP4-random"] = write_random_blocks(d / "nvfp4.gguf", g, nv, seed=4)
-    return files
-
-
-# Max / mean |Δ log-prob| allowed. The random-block fixtures are ill-conditioned (logits of
-# standard deviation 10-19, against ~2 for the others), so float32 noise, amplified by the
-# f16 rounding of K/V, is larger and heavy-tailed: on the CPU the reference path itself
-# differs from the float64 reference by up to 8.3e-2 (Q4_K_M) and 5.3e-2 (NVFP4), 2.4e-3
-# mean (NVFP4), with top-1 1.0 (receipts/reference/float64.json). There the mean and the
-# top-1 agreement are the guards; a wrong block layout moves both by orders of magnitude.
-LOGIT_TOLERANCE = {"F32": (5e-3, 5e-4), "F16": (5e-3, 5e-4), "Q8_0": (5e-3, 5e-4),
-                   "Q4_K_M-random": (1.5e-1, 5e-3), "NVFP4-random": (1.5e-1, 5e-3)}
-
-
-@pytest.mark.parametrize("name", list(LOGIT_TOLERANCE))
-def test_kernel_path_logits_match_reference_path(fixture_files, name):
-    """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 57 decode
-    steps (one-token matvecs + kernel attention) over wrapped 64-row rings."""
-    tokens = np.random.default_rng([SEED, 7]).integers(0, DEFAULT_GEOMETRY.n_vocab, 160)
-    ours = run(fixture_files[name], tokens, 103, use_kernels=True)
-    ref = run(fixture_files[name], tokens, 103, use_kernels=False)
-    d = np.abs(log_softmax(ours) - log_softmax(ref))
-    top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    max_tol, mean_tol = LOGIT_TOLERANCE[name]
-    ok = bool(np.isfinite(ours).all() and d.max() < max_tol and d.mean() < mean_tol and top1 >= 0.98)
-    record("model_logits", fixture=name, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()),
-           top1=top1, **{"pass": ok})
-    assert ok, (d.max(), d.mean(), top1)
