@@ -23,10 +23,12 @@ _PACKAGES = ("mlx", "mlx-cpu", "mlx-cuda-13", "mlx-metal", "numpy", "gguf", "tok
 
 
 def git_revision(cwd: Path | None = None) -> dict:
-    """HEAD and whether tracked files differ from it; on a machine with no .git (the lent GPU
-    gets a copy of the working tree), the revision the sender recorded in MUSE_GIT_REVISION."""
+    """HEAD and whether tracked files differ from it; when MUSE_GIT_REVISION is set (the lent
+    GPU gets a copy of the working tree, whose .git, if any, is not the sender's), that revision."""
     cwd = cwd or Path(__file__).resolve().parents[1]
     sent = os.environ.get("MUSE_GIT_REVISION")
+    if sent:
+        return {"revision": sent, "source": "MUSE_GIT_REVISION (sent with the tree)"}
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
