@@ -110,6 +110,20 @@ def test_kernel_path_logits_match_reference_path(fixture_files, name):
 # ---- single kernels against float64 ----------------------------------------------------
 
 
+def check_matvec(check: str, qtype, n: int, k: int, batch: int, rng, **fields) -> None:
+    """kernels.matvec on random valid blocks against float64 numpy (the bit-exact MLX-ops
+    dequantization); records the check and asserts a finite result within 1e-5 relative."""
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
+    out = np.array(kernels.matvec(w, qtype, x, init_value=float("nan"))).astype(np.float64)
+    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, qtype)).astype(np.float64).T
+    err = rel_err(out, ref)
+    finite = bool(np.isfinite(out).all())
+    ok = finite and err < 1e-5
+    record(check, qtype=qtype.name, n=n, k=k, batch=batch, rel_err=err, finite=finite, **fields, **{"pass": ok})
+    assert ok, err
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("batch", [1, 5, 8])
@@ -120,17 +134,7 @@ def test_matvec(qtype, shape, batch):
     if batch > 1 and shape != (4096, 6656):
         pytest.skip("batches 5 and 8 at one shape (the same code path at every shape)")
     n, k = shape
-    rng = np.random.default_rng([SEED, n, k, batch, int(qtype)])
-    w = mx.array(random_blocks(n, k, qtype, rng))
-    x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
-    got = kernels.matvec(w, qtype, x, init_value=float("nan"))
-    dense = np.array(dequantize(w, qtype)).astype(np.float64)
-    ref = np.array(x).astype(np.float64) @ dense.T
-    out = np.array(got).astype(np.float64)
-    err = rel_err(out, ref)
-    ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec", qtype=qtype.name, n=n, k=k, batch=batch, rel_err=err, finite=bool(np.isfinite(out).all()), **{"pass": ok})
-    assert ok, err
+    check_matvec("matvec", qtype, n, k, batch, np.random.default_rng([SEED, n, k, batch, int(qtype)]))
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -143,15 +147,8 @@ def test_matvec_stream_other_shapes(qtype, shape, groups, monkeypatch):
     if groups != "default":
         monkeypatch.setenv("MUSE_MLX_STREAM_GROUPS", groups)
     n, k = shape
-    rng = np.random.default_rng([SEED, n, k, int(qtype), len(groups)])
-    w = mx.array(random_blocks(n, k, qtype, rng))
-    x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
-    out = np.array(kernels.matvec(w, qtype, x, init_value=float("nan"))).astype(np.float64)
-    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, qtype)).astype(np.float64).T
-    err = rel_err(out, ref)
-    ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec_stream", qtype=qtype.name, n=n, k=k, groups=groups, rel_err=err, **{"pass": ok})
-    assert ok, err
+    check_matvec("matvec_stream", qtype, n, k, 1, np.random.default_rng([SEED, n, k, int(qtype), len(groups)]),
+                 groups=groups)
 
 
 @pytest.mark.parametrize("shape", [(19968, 6656), (6656, 4096)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -159,15 +156,7 @@ def test_matvec_stream_q4k_magic_form(shape, monkeypatch):
     """The other Q4_K nibble form (2^23 + n - 2^23), kept selectable for measurement."""
     monkeypatch.setenv("MUSE_MLX_Q4_FORM", "magic")
     n, k = shape
-    rng = np.random.default_rng([SEED, n, k, 44])
-    w = mx.array(random_blocks(n, k, QT.Q4_K, rng))
-    x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
-    out = np.array(kernels.matvec(w, QT.Q4_K, x, init_value=float("nan"))).astype(np.float64)
-    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, QT.Q4_K)).astype(np.float64).T
-    err = rel_err(out, ref)
-    ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec_stream_q4k_magic", n=n, k=k, rel_err=err, **{"pass": ok})
-    assert ok, err
+    check_matvec("matvec_stream_q4k_magic", QT.Q4_K, n, k, 1, np.random.default_rng([SEED, n, k, 44]))
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -191,16 +180,7 @@ def test_matvec_silu(qtype, shape):
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_matvec_float(qtype):
-    n, k = 4096, 6656
-    rng = np.random.default_rng([SEED, int(qtype)])
-    w = mx.array(random_blocks(n, k, qtype, rng))
-    x = mx.array(rng.standard_normal((2, k)).astype(np.float32))
-    out = np.array(kernels.matvec(w, qtype, x, init_value=float("nan"))).astype(np.float64)
-    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, qtype)).astype(np.float64).T
-    err = rel_err(out, ref)
-    ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec", qtype=qtype.name, n=n, k=k, batch=2, rel_err=err, **{"pass": ok})
-    assert ok, err
+    check_matvec("matvec", qtype, 4096, 6656, 2, np.random.default_rng([SEED, int(qtype)]))
 
 
 def attention_ref(q, keys, values, n_valid):
