@@ -115,7 +115,7 @@ def stream_groups() -> int:
     """Threadgroups of a streaming matvec: a few per multiprocessor (MUSE_MLX_STREAM_GROUPS overrides).
 
     264 = 2 per SM of the H200 was the best or near it for the layer matrices in the sweep of
-    receipts/kernels/h200-probe-stream.json; Apple GPUs have fewer cores (unmeasured here)."""
+    receipts/kernels/h200-67cd04e-probe-stream-sweep.json; Apple GPUs have fewer cores (unmeasured here)."""
     env = os.environ.get("MUSE_MLX_STREAM_GROUPS", "")
     if env:
         return max(1, int(env))
@@ -165,13 +165,7 @@ def matvec(w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None)
     x = x.astype(mx.float32)
     N = w.shape[0]
     if B == 1 and streams(qtype, K):
-        variant, R, RF = STREAM_VARIANTS[qtype]
-        tpg = stream_threads(K)
-        groups = min(-(-N // R), stream_groups())
-        return kernel(_stream_name(variant))(
-            inputs=[w, x], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
-            grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
-            output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
+        return _stream_launch(w, qtype, K, "", [x], [], init_value)
     groups = -(-N // ROWS_PER_GROUP)
     launch = dict(grid=(groups * ROWS_PER_GROUP * 32, 1, 1), threadgroup=(ROWS_PER_GROUP * 32, 1, 1),
                   output_shapes=[(B, N)], output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)
@@ -193,12 +187,19 @@ def matvec_silu(w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset:
     """W @ (silu(gate) * up) for one token, the activation made inside the streaming kernel
     (streams(qtype, K) must hold). gate: K float32 values from its start; up: K from `up_offset`
     (pass one stacked gate|up output as both, up_offset = K). Returns (1, N) float32."""
-    K, N = w.shape[1] // QT_ROW_BYTES_PER_256[qtype] * 256, w.shape[0]
+    K = w.shape[1] // QT_ROW_BYTES_PER_256[qtype] * 256
+    return _stream_launch(w, qtype, K, "_silu", [gate, up], [("UP_OFF", up_offset)], init_value)
+
+
+def _stream_launch(w: mx.array, qtype: QT, K: int, act: str, x_inputs: list, extra: list,
+                   init_value: float | None) -> mx.array:
+    """One launch of a streaming matvec (matvec_stream.inc) over the raw rows w: (1, N) float32."""
+    N = w.shape[0]
     variant, R, RF = STREAM_VARIANTS[qtype]
     tpg = stream_threads(K)
     groups = min(-(-N // R), stream_groups())
-    return kernel(_stream_name(variant, "_silu"))(
-        inputs=[w, gate, up], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF), ("UP_OFF", up_offset)],
+    return kernel(_stream_name(variant, act))(
+        inputs=[w, *x_inputs], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF), *extra],
         grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
         output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
 
