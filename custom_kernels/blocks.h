@@ -56,6 +56,17 @@ template <typename P> inline uint4 load16_at(P base, uint64_t off) {
   return r;
 }
 
+// 8 bytes at byte offset `off` (a multiple of 2) of a 4-byte-aligned buffer, as two words.
+template <typename P> inline uint2 load8_at(P base, uint64_t off) {
+  GLOBAL_CONST(uint32_t)* wp = (GLOBAL_CONST(uint32_t)*)(base) + (off >> 2);
+  const uint32_t s = uint32_t(off & 3u) * 8u;
+  const uint32_t a = wp[0], b = wp[1], c = s ? wp[2] : 0u;
+  uint2 r;
+  r.x = FUNNEL_R(a, b, s);
+  r.y = FUNNEL_R(b, c, s);
+  return r;
+}
+
 // k4_scale_min_words without branches (a select), for lanes of one simdgroup that hold
 // different groups g.
 inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {

@@ -9,6 +9,7 @@
 #define FMAXF(a, b) fmaxf(a, b)
 #define NEG_INF (-__uint_as_float(0x7f800000u))
 #define MAKE_FLOAT2(a, b) make_float2(a, b)
+#define UNROLL_4 _Pragma("unroll 4")
 #define UNROLL_FULL _Pragma("unroll")
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -23,6 +24,9 @@ __device__ __forceinline__ float warp_max(float v) {
 #define BYTE_MAGIC_FLOAT(v, k) __uint_as_float(__byte_perm((v), 0x4Bu, 0x4550u | uint32_t(k)))
 // Byte k of v as bits 16-23 under 0x3F: with the byte 0x80 | n << 3 that is the float 1 + n/16.
 #define BYTE_UNIT_FLOAT(v, k) __uint_as_float(__byte_perm((v), 0x3Fu, 0x4055u | (uint32_t(k) << 8)))
+// Bytes of the 8-byte value b:a picked by the low three bits of each selector nibble (byte i of
+// the result from nibble i of s; 0-3 are a's bytes, 4-7 b's).
+#define BYTE_PERM(a, b, s) __byte_perm((a), (b), (s))
 // The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
 #define FUNNEL_R(lo, hi, s) __funnelshift_r((lo), (hi), (s))
 #define RSQRTF(x) rsqrtf(x)

@@ -9,6 +9,7 @@
 #define FMAXF(a, b) metal::max(a, b)
 #define NEG_INF (-INFINITY)
 #define MAKE_FLOAT2(a, b) float2(a, b)
+#define UNROLL_4 _Pragma("clang loop unroll_count(4)")
 #define UNROLL_FULL _Pragma("clang loop unroll(full)")
 inline float warp_sum(float v) { return simd_sum(v); }
 inline float warp_max(float v) { return simd_max(v); }
@@ -16,6 +17,15 @@ inline float warp_max(float v) { return simd_max(v); }
 #define BYTE_MAGIC_FLOAT(v, k) as_type<float>(0x4B000000u | (((v) >> (8u * uint32_t(k))) & 0xFFu))
 // Byte k of v as bits 16-23 under 0x3F (see dialect_cuda.h).
 #define BYTE_UNIT_FLOAT(v, k) as_type<float>(0x3F000000u | ((((v) >> (8u * uint32_t(k))) & 0xFFu) << 16))
+// Bytes of the 8-byte value b:a picked by selector nibbles (see dialect_cuda.h; only the
+// selector forms the kernels use, without the sign-replicate mode).
+inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+  const ulong v = (ulong(b) << 32) | ulong(a);
+  uint32_t r = 0u;
+  for (uint32_t i = 0u; i < 4u; ++i) r |= uint32_t((v >> (8u * ((s >> (4u * i)) & 7u))) & 0xFFu) << (8u * i);
+  return r;
+}
+#define BYTE_PERM(a, b, s) byte_perm((a), (b), (s))
 // The 32 bits starting `s` bits (0 or 16) into the 64-bit value hi:lo.
 #define FUNNEL_R(lo, hi, s) uint32_t(((ulong(hi) << 32) | ulong(lo)) >> (s))
 #define RSQRTF(x) metal::rsqrt(x)

@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as QT
 
 MAX_BATCH = 8            # matvec rows handled by one launch (decode, small prefill chunks, verification)
 ROWS_PER_GROUP = 4       # simdgroups (output rows) per threadgroup in the matvecs
-RING_CHUNK, PLANE_CHUNK = 64, 256   # attention rows per split for rings / planes
+RING_CHUNK, PLANE_CHUNK = 32, 128   # attention rows per split for rings / planes
+COMBINE_WARPS = 4                    # simdgroups merging one query head's splits
 
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
@@ -38,6 +39,12 @@ def backend() -> str | None:
     """'metal', 'cuda', or None (the MLX-ops reference path)."""
     if os.environ.get("MUSE_MLX_REFERENCE", "") not in ("", "0"):
         return None
+    return _device_backend()
+
+
+@lru_cache(maxsize=None)
+def _device_backend() -> str | None:
+    """The GPU MLX can use, asked once (the answer does not change within a process)."""
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
@@ -78,11 +85,10 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    # streaming one-token matvecs: matvec_stream[_silu]_<format>[_<Q4_K nibble form>]
-    **{f"matvec_stream{act}_{v}{'_' + form if form != 'unit' else ''}":
-       ("matvec_stream", ["prologue", f"nibbles_{form}", xs, v, "epilogue"], ["w", *inputs], ["y"])
+    # streaming one-token matvecs: matvec_stream[_silu]_<format>
+    **{f"matvec_stream{act}_{v}": ("matvec_stream", ["prologue", xs, v, "epilogue"], ["w", *inputs], ["y"])
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
-       for v, forms in (("q4_k", ("unit", "magic")), ("q6_k", ("unit",))) for form in forms},
+       for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine", "store"], ["part_o", "part_ml", "params"], ["out"]),
     "attention_combine_gated": ("attention", ["combine", "store_gated"], ["part_o", "part_ml", "params", "gate"],
@@ -111,40 +117,34 @@ STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}   # name, r
 QT_ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 
 
-def stream_groups() -> int:
-    """Threadgroups of a streaming matvec: a few per multiprocessor (MUSE_MLX_STREAM_GROUPS overrides).
-
-    264 = 2 per SM of the H200 was the best or near it for the layer matrices in the sweep of
-    receipts/kernels/h200-67cd04e-probe-stream-sweep.json; Apple GPUs have fewer cores (unmeasured here)."""
-    env = os.environ.get("MUSE_MLX_STREAM_GROUPS", "")
-    if env:
-        return max(1, int(env))
-    return 264 if backend() == "cuda" else 64
-
-
-STREAM_MAX_THREADS = 640   # 65,536 registers / 640 threads = 102 each; the kernels use 72-92 (ptxas, sm_90a)
+STREAM_MAX_THREADS = 512   # 65,536 registers / 512 threads = 128 each; the kernels use 123-128 (ptxas, sm_90a)
+CUDA_MULTIPROCESSORS = 132  # an H100 / H200 SXM; MLX does not report the count
 
 
 def stream_threads(K: int) -> int | None:
-    """Threads of a streaming matvec: one 32-value unit of K each, rounded up to whole simdgroups.
+    """Threads of a streaming matvec: one 64-value unit of K each, rounded up to whole simdgroups.
 
-    None past STREAM_MAX_THREADS (K > 20,480): MLX launches without launch bounds, so a larger
+    None past STREAM_MAX_THREADS (K > 32,768): MLX launches without launch bounds, so a larger
     group could ask for more registers than a multiprocessor has; such rows take matvec.inc."""
-    t = -(-(K // 32) // 32) * 32
+    t = -(-(K // 64) // 32) * 32
     return t if t <= STREAM_MAX_THREADS else None
 
 
-def q4_form() -> str:
-    """Q4_K nibbles as floats: 'unit' (1 + n/16, default) or 'magic' (2^23 + n - 2^23); MUSE_MLX_Q4_FORM."""
-    form = os.environ.get("MUSE_MLX_Q4_FORM", "unit")
-    if form not in ("unit", "magic"):
-        raise ValueError(f"MUSE_MLX_Q4_FORM must be 'unit' or 'magic', got {form!r}")
-    return form
+def stream_groups(threads: int) -> int:
+    """Threadgroups of a streaming matvec (MUSE_MLX_STREAM_GROUPS overrides).
+
+    On CUDA as many as fit on each multiprocessor at once by registers (~128 a thread: 512
+    threads), so that enough warps have loads in flight; Apple GPUs: 64 (unmeasured here)."""
+    env = os.environ.get("MUSE_MLX_STREAM_GROUPS", "")
+    if env:
+        return max(1, int(env))
+    if backend() != "cuda":
+        return 64
+    return CUDA_MULTIPROCESSORS * max(1, STREAM_MAX_THREADS // threads)
 
 
 def _stream_name(variant: str, act: str = "") -> str:
-    form = q4_form() if variant == "q4_k" else "unit"
-    return f"matvec_stream{act}_{variant}" + ("" if form == "unit" else f"_{form}")
+    return f"matvec_stream{act}_{variant}"
 
 
 def stream_enabled() -> bool:
@@ -197,7 +197,7 @@ def _stream_launch(w: mx.array, qtype: QT, K: int, act: str, x_inputs: list, ext
     N = w.shape[0]
     variant, R, RF = STREAM_VARIANTS[qtype]
     tpg = stream_threads(K)
-    groups = min(-(-N // R), stream_groups())
+    groups = min(-(-N // R), stream_groups(tpg))
     return kernel(_stream_name(variant, act))(
         inputs=[w, *x_inputs], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF), *extra],
         grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
@@ -240,8 +240,9 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
     name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
         ("attention_combine_gated", [part_o, part_ml, params, gate])
     return kernel(name)(
-        inputs=inputs, template=[("HD", hd)] + ([("GATE_OFF", gate_offset)] if gate is not None else []),
-        grid=(n_head * 32, 1, 1), threadgroup=(32, 1, 1),
+        inputs=inputs,
+        template=[("HD", hd), ("CW", COMBINE_WARPS)] + ([("GATE_OFF", gate_offset)] if gate is not None else []),
+        grid=(n_head * COMBINE_WARPS * 32, 1, 1), threadgroup=(COMBINE_WARPS * 32, 1, 1),
         output_shapes=[out_shape or (n_head, hd)], output_dtypes=[mx.float32], init_value=init_value,
         stream=mx.gpu)[0]
 

@@ -5,7 +5,7 @@ the MLX device utils include, our header, then `__global__ void` with `const T*`
 `T*` outputs and the template constants as constexpr) and compiles it for sm_90a with MLX's
 NVRTC flags, printing registers-free diagnostics. Needs:
   MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*)
-  MUSE_NVRTC_CUBIN_DIR  also write each CUBIN there (for nvdisasm)
+  MUSE_NVRTC_CUBIN_DIR  also write each CUBIN (for nvdisasm) and its PTX there
   MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel
   MUSE_MLX_CUDA_INCLUDE  a folder holding mlx/backend/cuda/device/{utils.cuh,complex.cuh,config.h}
   CUDA include folders (default /usr/local/cuda/include and /usr/local/cuda/include/cccl)
@@ -33,16 +33,18 @@ CASES = [
     *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
       for wt in ("float32", "float16", "bfloat16")],
     *[(f"matvec_stream_{v}", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("TPG", -(-k // 256 * 8 // 32) * 32), ("R", 8), ("RF", rf)])
-      for v in ("q4_k", "q6_k", "q4_k_magic") for k in (4096, 6656, 19968) for rf in (2, 4)],
+       [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf)])
+      for v in ("q4_k", "q6_k") for k in (256, 4096, 6656, 19968) for rf in (2, 4)],
     *[(f"matvec_stream_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
-       [("K", 19968), ("N", 6656), ("TPG", 640), ("R", 8), ("RF", 2), ("UP_OFF", 19968)]) for v in ("q4_k", "q6_k")],
+       [("K", 19968), ("N", 6656), ("TPG", 320), ("R", 8), ("RF", 2), ("UP_OFF", 19968)]) for v in ("q4_k", "q6_k")],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
-     [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 256)]),
+     [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 128)]),
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64)]),
-    ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128)]),
-    ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"], [("HD", 128), ("GATE_OFF", 4352)]),
+    ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4)]),
+    ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 48), ("CW", 4)]),
+    ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"],
+     [("HD", 128), ("CW", 4), ("GATE_OFF", 4352)]),
     *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),
         ("K_OFF", 32 * hd)])
@@ -89,6 +91,11 @@ def main() -> int:
             tag = "_".join(f"{k}{v}" for k, v in template)
             with open(os.path.join(os.environ["MUSE_NVRTC_CUBIN_DIR"], f"{kname}_{tag}.cubin"), "wb") as fh:
                 fh.write(cubin.raw)
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            ptx = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, ptx)
+            with open(os.path.join(os.environ["MUSE_NVRTC_CUBIN_DIR"], f"{kname}_{tag}.ptx"), "wb") as fh:
+                fh.write(ptx.value)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
         status = "ok" if rc == 0 else "FAILED"
         print(f"{kname:20s} {dict(template)}: {status}")

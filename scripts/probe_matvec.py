@@ -5,7 +5,9 @@ Questions, each answered by a timed contrast (wall time around mx.eval, which wa
      as fast as arrays a GPU op made (device memory)?  A read-only kernel and our
      one-token Q4_K matvec on both.
   2. (stream) the streaming one-token matvecs: a float64 check, then a sweep of rows per
-     step, rows loaded together and grid size at every layer shape, and a whole token.
+     step, rows loaded together and grid size at every layer shape, and a whole token;
+     (dispatch) a whole token through kernels.matvec with the engine's defaults, against a
+     read-only pass over the same matrices.
   3. launch cost: a chain of tiny custom kernels and of tiny MLX ops, graph build and eval
      timed apart.
   4. the whole token: one token's 261 projections at the pinned geometry, weights made on
@@ -81,10 +83,11 @@ def read_once(w):
                         output_shapes=[(blocks * 256,)], output_dtypes=[mx.uint32])[0]
 
 
-def stream(w, x, variant, K, N, R=8, RF=4, groups=None):
-    tpg = -(-(K // 256 * 8) // 32) * 32
+def stream(w, x, variant, K, N, R=8, RF=4, groups="default"):
+    """One streaming launch; groups: a number, "default" (kernels.stream_groups) or None (one per row group)."""
+    tpg = kernels.stream_threads(K)
     nrg = -(-N // R)
-    g = min(nrg, groups) if groups else nrg
+    g = nrg if groups is None else min(nrg, kernels.stream_groups(tpg) if groups == "default" else groups)
     return kernels.kernel(f"matvec_stream_{variant}")(
         inputs=[w, x], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
         grid=(g * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)], output_dtypes=[mx.float32])[0]
@@ -94,8 +97,8 @@ STREAM_SHAPES = {  # name: (K, N, variant, block bytes)
     "qkg_q4k": (6656, 8448, "q4_k", Q4), "o_q4k": (4096, 6656, "q4_k", Q4), "gateup_q4k": (6656, 39936, "q4_k", Q4),
     "down_q4k": (19968, 6656, "q4_k", Q4), "down_q6k": (19968, 6656, "q6_k", Q6), "v_q6k": (6656, 256, "q6_k", Q6),
     "output_q6k": (6656, 202048, "q6_k", Q6)}
-STREAM_CONFIGS = [(8, 2), (8, 4), (8, 8), (16, 4), (4, 4)]
-STREAM_GROUPS = [132, 264, 528, 1056, None]
+STREAM_CONFIGS = [(8, 2), (8, 4), (4, 2), (16, 4)]
+STREAM_GROUPS = [264, 528, 1056, "default"]
 
 
 def section_stream(res):
@@ -129,7 +132,7 @@ def section_stream(res):
             for G in STREAM_GROUPS:
                 t = timed(lambda w=w, x=x, v=variant, k=K, m=N, r=R, f=RF, g=G, n=reps:
                           [stream(w, x, v, k, m, r, f, g) for _ in range(n)], reps=3)
-                sweep[f"{name}|R{R}|RF{RF}|G{G or 'all'}"] = min(reps * w.nbytes / s / 1e9 for s in t)
+                sweep[f"{name}|R{R}|RF{RF}|G{G}"] = min(reps * w.nbytes / s / 1e9 for s in t)
         best = max((k for k in sweep if k.startswith(name + "|")), key=sweep.get)
         print(name, "best", best, f"{sweep[best]:.0f} GB/s", flush=True)
         del w
@@ -140,7 +143,7 @@ def section_stream(res):
     for name in STREAM_SHAPES:
         k = max((k for k in sweep if k.startswith(name + "|")), key=sweep.get)
         _, r, rf, g = k.split("|")
-        best[name] = (int(r[1:]), int(rf[2:]), None if g == "Gall" else int(g[1:]))
+        best[name] = (int(r[1:]), int(rf[2:]), g[1:] if g == "Gdefault" else int(g[1:]))
     res["stream_best"] = {k: list(v) for k, v in best.items()}
     g = PINNED
     layer = ["qkg_q4k", "v_q6k", "o_q4k", "gateup_q4k", "down_q6k"]
@@ -166,9 +169,9 @@ def section_stream(res):
     mx.clear_cache()
 
 
-def section_forms(res):
-    """One token's projections through kernels.matvec (the engine's dispatch) under each Q4_K
-    nibble form (MUSE_MLX_Q4_FORM), weights made on the GPU (random bytes)."""
+def section_dispatch(res):
+    """One token's projections through kernels.matvec (the engine's dispatch and defaults),
+    weights made on the GPU (random bytes), and a read-only pass over the same matrices."""
     from gguf import GGMLQuantizationType as QT
 
     shapes = token_shapes()
@@ -178,16 +181,18 @@ def section_forms(res):
     total = sum(w.nbytes for w in ws)
     qt = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
     r = {"weight_bytes": total, "launches": len(shapes)}
-    for form in ("unit", "magic", "unit"):
-        os.environ["MUSE_MLX_Q4_FORM"] = form
 
-        def token(ws=ws):
-            return [kernels.matvec(w, qt[v], xs[K]) for w, (K, N, b, v) in zip(ws, shapes)]
-        t = timed(token, reps=5, warmup=2)
-        r.setdefault(f"{form}_ms", []).append(stats([s * 1e3 for s in t]))
-    os.environ.pop("MUSE_MLX_Q4_FORM")
-    res["token_forms"] = r
-    print("forms", {k: [round(c["mean"], 3) for c in v] for k, v in r.items() if k.endswith("_ms")}, flush=True)
+    def token(ws=ws):
+        return [kernels.matvec(w, qt[v], xs[K]) for w, (K, N, b, v) in zip(ws, shapes)]
+
+    def reads(ws=ws):
+        return [read_once(w) for w in ws]
+    for name, fn in (("matvec", token), ("read_only", reads), ("matvec_again", token)):
+        t = timed(fn, reps=5, warmup=2)
+        r[f"{name}_ms"] = stats([s * 1e3 for s in t])
+        r[f"{name}_GBps"] = stats([total / s / 1e9 for s in t])
+    res["token_dispatch"] = r
+    print("dispatch", {k: round(v["mean"], 3) for k, v in r.items() if isinstance(v, dict)}, flush=True)
     del ws
     mx.clear_cache()
 
@@ -224,7 +229,7 @@ def section_residency(res, host: bool):
         t = timed(lambda w=w, n=reps_in_graph: [read_once(w) for _ in range(n)])
         r["read_gateup_GBps"] = stats([reps_in_graph * w.nbytes / s / 1e9 for s in t])
         for variant in ("q4_k",):
-            t = timed(lambda w=w, v=variant, n=reps_in_graph: [stream(w, x, v, K, N, groups=264) for _ in range(n)])
+            t = timed(lambda w=w, v=variant, n=reps_in_graph: [stream(w, x, v, K, N) for _ in range(n)])
             r[f"{variant}_gateup_GBps"] = stats([reps_in_graph * w.nbytes / s / 1e9 for s in t])
             r[f"{variant}_gateup_us"] = stats([s / reps_in_graph * 1e6 for s in t])
         # Q6_K ffn_down shape: 6,656 x 19,968
@@ -233,7 +238,7 @@ def section_residency(res, host: bool):
         xd = mx.random.normal((Kd,))
         for variant in ("q6_k",):
             t = timed(lambda w=wd, x=xd, v=variant, n=reps_in_graph, k=Kd, m=Nd:
-                      [stream(w, x, v, k, m, RF=2, groups=264) for _ in range(n)])
+                      [stream(w, x, v, k, m, RF=2) for _ in range(n)])
             r[f"{variant}_down_GBps"] = stats([reps_in_graph * wd.nbytes / s / 1e9 for s in t])
         res[f"residency_{where}"] = r
         print(where, {k: round(v["mean"], 1) for k, v in r.items()}, flush=True)
@@ -292,7 +297,7 @@ def section_token(res, host: bool, tag: str):
     total = sum(w.nbytes for w in ws)
     r = {"weight_bytes": total, "launches": len(shapes)}
     def token(ws=ws):
-        return [stream(w, xs[K], v, K, N, RF=4 if v == "q4_k" else 2, groups=264)
+        return [stream(w, xs[K], v, K, N, RF=4 if v == "q4_k" else 2)
                 for w, (K, N, b, v) in zip(ws, shapes)]
     t = timed(token, reps=5, warmup=2)
     r["stream_ms"] = stats([s * 1e3 for s in t])
@@ -319,8 +324,8 @@ def main():
     parts = a.parts.split(",")
     if "stream" in parts:
         section_stream(res)
-    if "forms" in parts:
-        section_forms(res)
+    if "dispatch" in parts:
+        section_dispatch(res)
     if "residency" in parts:
         section_residency(res, a.host)
     if "launch" in parts:

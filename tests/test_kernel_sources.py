@@ -52,8 +52,8 @@ def test_reference_switch(monkeypatch):
 
 
 def test_stream_threads_hold_one_unit_each():
-    """One 32-value unit of K per thread at the pinned shapes (the x values stay in registers)."""
-    assert [kernels.stream_threads(k) for k in (4096, 6656, 19968)] == [128, 224, 640]
-    assert kernels.stream_threads(256) == 32          # the fixtures: 8 units, one simdgroup
-    assert kernels.stream_threads(20480) == 640
-    assert kernels.stream_threads(33024) is None      # 1,032 units: matvec.inc takes it
+    """One 64-value unit of K per thread at the pinned shapes (the x values stay in registers)."""
+    assert [kernels.stream_threads(k) for k in (4096, 6656, 19968)] == [64, 128, 320]
+    assert kernels.stream_threads(256) == 32          # the fixtures: 4 units, one simdgroup
+    assert kernels.stream_threads(32768) == 512
+    assert kernels.stream_threads(33024) is None      # 516 units: matvec.inc takes it
