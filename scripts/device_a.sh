@@ -19,7 +19,8 @@ mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama
   && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
   > /dev/null 2>&1 < /dev/null &
 
-MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -v -p no:cacheprovider -rf \
+# GPU_TESTS: the test ids to run (default: all of tests/gpu)
+MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -rf \
   --tb=line > "$OUT/gpu-tests.log" 2>&1
 grep -E "PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | awk '{print $2}' | sort | uniq -c; grep -E "^FAILED|Error" "$OUT/gpu-tests.log" | head -12
 
