@@ -216,26 +216,21 @@ def attention_params(n_valid: int, chunk: int) -> mx.array:
     return mx.array([n_valid, max(1, -(-n_valid // chunk)), 0, 0, 0, 0, 0, 0], dtype=mx.int32)
 
 
-def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int | None, chunk: int,
+def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int, chunk: int,
                      init_value: float | None = None, gate: mx.array | None = None, gate_offset: int = 0,
-                     params: mx.array | None = None, out_shape: tuple | None = None,
-                     whole_storage: bool = False) -> mx.array:
+                     params: mx.array | None = None, out_shape: tuple | None = None) -> mx.array:
     """One query token over rows 0..n_valid-1 of (n_kv, CAP, HD) f16 K/V. q (n_head, HD) -> (n_head, HD) f32.
 
     With `gate` (n_head * HD values from `gate_offset`), the output is multiplied by sigmoid(gate)
     (the attention output gate, model.output_gate) in the same launch. `params` may be passed in
     precomputed (attention_params(n_valid, chunk)): every layer of a kind shares it within a token.
-    `whole_storage` sizes the grid for all CAP rows, so that the launch does not depend on
-    n_valid (which then only lives in `params`, and may be None here): splits past the valid rows
-    leave at once. A compiled decode step (model.Model.decode_one) replays one such launch for
-    every token. `out_shape` reshapes the result in the launch itself (default (n_head, HD))."""
+    `out_shape` reshapes the result in the launch itself (default (n_head, HD))."""
     n_head, hd = q.shape
     n_kv, cap, _ = keys.shape
     group = n_head // n_kv
     nw = _warps_for(group)
-    if params is None:
-        params = attention_params(n_valid, chunk)
-    nsplit = -(-cap // chunk) if whole_storage else max(1, -(-n_valid // chunk))
+    nsplit = max(1, -(-n_valid // chunk))
+    params = attention_params(n_valid, chunk) if params is None else params
     template = [("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)]
     part_o, part_ml = kernel("attention_partial")(
         inputs=[q, keys, values, params], template=template,

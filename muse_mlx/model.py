@@ -26,7 +26,6 @@ chunks, and runs single-token attention with custom_kernels/attention.inc.
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -189,17 +188,12 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(g.head_dim)
         self.eps = mx.array([g.rms_eps], dtype=mx.float32)
 
-    def decode_one(self, h: mx.array, rope: mx.array, keys: mx.array, values: mx.array, row: mx.array,
-                   params: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """The kernel path's attention for one token, as a function of arrays only (so that the
-        whole step can be compiled): h (1, n_embd) normed input, the layer's f16 K/V storage, the
-        row this token's K/V go to (int32 (1,)) and the attention scalars of its kind
-        (kernels.attention_params). Returns the Wo output (1, n_embd) and the updated K/V.
+    def decode_one(self, h: mx.array, rope: mx.array, cache, params: dict) -> mx.array:
+        """The kernel path's attention for one token: h (1, n_embd) normed input -> Wo output (1, n_embd).
 
         The same math as __call__, in fewer launches: q/k RMSNorm, RoPE and the f16 rounding
         of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
-        combine step. The row is written first: the visible rows are then exactly the first
-        n_valid rows of the storage (a ring's oldest row has left the window)."""
+        combine step. `params` shares the attention scalars among the layers of a kind."""
         g = self.g
         if "wqkg" in self:  # one stacked product; the kernels read q, k and the gate at their offsets
             q = k = gate = self.wqkg(h)
@@ -210,16 +204,14 @@ class Attention(nn.Module):
         rope_half = g.rope_dim // 2 if self.sliding else 0
         q, k16, v16 = kernels.qk_post(q, k, self.wv(h), self.q_norm, self.k_norm, rope, rope_half, self.eps,
                                       g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1])
-        keys = mx.slice_update(keys, k16, start_indices=row, axes=(1,))
-        values = mx.slice_update(values, v16, start_indices=row, axes=(1,))
-        a = kernels.decode_attention(q, keys, values, None, self.chunk, gate=gate, gate_offset=offsets[2],
-                                     params=params, out_shape=(1, g.q_dim), whole_storage=True)
-        return self.wo(a), keys, values
-
-    @property
-    def chunk(self) -> int:
-        """Rows per split of the decode attention kernel."""
-        return kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
+        cache.append(k16, v16)
+        n_valid = min(cache.offset, cache.capacity)
+        chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
+        if (chunk, n_valid) not in params:
+            params[(chunk, n_valid)] = kernels.attention_params(n_valid, chunk)
+        a = kernels.decode_attention(q, cache.keys, cache.values, n_valid, chunk, gate=gate, gate_offset=offsets[2],
+                                     params=params[(chunk, n_valid)], out_shape=(1, g.q_dim))
+        return self.wo(a)
 
     def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
         g, L = self.g, x.shape[0]
@@ -322,7 +314,6 @@ class Model(nn.Module):
         self.output = Projection(t["output.weight"], on_gpu)
         # RMSNorm epsilons of the fused residual step (kernels.residual_norm): post-norm, then the next norm.
         self.eps_post_rms = mx.array([POST_NORM_EPS, g.rms_eps], dtype=mx.float32)
-        self._decode_step_compiled = mx.compile(self._decode_step)
         mx.eval(self.parameters())
 
     @property
@@ -364,50 +355,24 @@ class Model(nn.Module):
                              g.final_logit_softcap)
 
     def decode_one(self, tokens: mx.array, cache: SlotCache) -> mx.array:
-        """One token on the kernel path, in 12 launches per layer (docs/kernels.md, "decode step").
-
-        The host computes this token's RoPE angles, each layer kind's write row and attention
-        scalars; `_decode_step`, a function of arrays only, does the rest. It is compiled with
-        mx.compile unless MUSE_MLX_COMPILE=0, so the graph is built in Python once per cache
-        shape and replayed for every later token."""
-        g = self.geometry
-        offset = cache.offset
-        cos, sin = rope_cos_sin(np.array([offset]), g.rope_dim, g.rope_base_swa)
-        rope = mx.array(np.concatenate([cos.reshape(-1), sin.reshape(-1)]))
-        by_kind = {}  # sliding?: (write row, attention scalars), shared by the layers of a kind
-        for block, layer in zip(self.blocks, cache.layers):
-            att = block.attention
-            if att.sliding not in by_kind:
-                n_valid = min(offset + 1, layer.capacity)
-                by_kind[att.sliding] = (mx.array([offset % layer.capacity], dtype=mx.int32),
-                                        kernels.attention_params(n_valid, att.chunk))
-        rows_params = [by_kind.get(kind, by_kind[not kind]) for kind in (True, False)]
-        step = self._decode_step if os.environ.get("MUSE_MLX_COMPILE", "1") == "0" else self._decode_step_compiled
-        logits, *kv = step(tokens, rope, *rows_params[0], *rows_params[1], *cache.state())
-        for layer, keys, values in zip(cache.layers, kv[0::2], kv[1::2]):
-            layer.keys, layer.values = keys, values
-            layer.offset += 1
-        return logits
-
-    def _decode_step(self, tokens, rope, ring_row, ring_params, plane_row, plane_params, *kv):
-        """One token's forward pass on the kernel path: (logits, updated K/V storage of every layer).
+        """One token on the kernel path, in about 13 launches per layer (docs/kernels.md, "decode step").
 
         The same forward pass as __call__, regrouped: each sub-layer's post-norm and residual
         add are fused with the next sub-layer's input norm (kernels.residual_norm)."""
         g = self.geometry
+        cos, sin = rope_cos_sin(np.array([cache.offset]), g.rope_dim, g.rope_base_swa)
+        rope = mx.array(np.concatenate([cos.reshape(-1), sin.reshape(-1)]))
         x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
         h = mx.fast.rms_norm(x, self.blocks[0].attention.attn_norm, g.rms_eps)
-        new_kv = []
-        for i, block in enumerate(self.blocks):
+        params: dict = {}
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
             att, ffn = block.attention, block.feed_forward
-            row, params = (ring_row, ring_params) if att.sliding else (plane_row, plane_params)
-            o, keys, values = att.decode_one(h, rope, kv[2 * i], kv[2 * i + 1], row, params)
-            new_kv += [keys, values]
+            o = att.decode_one(h, rope, layer_cache, params)
             x, h = kernels.residual_norm(x, o, att.post_norm, ffn.ffn_norm, self.eps_post_rms)
             f = ffn.decode_one(h)
             w_next = self.blocks[i + 1].attention.attn_norm if i + 1 < len(self.blocks) else self.output_norm
             x, h = kernels.residual_norm(x, f, ffn.post_norm, w_next, self.eps_post_rms)
-        return (_final_logits(self.output(h), g.logit_scale, g.final_logit_softcap), *new_kv)
+        return _final_logits(self.output(h), g.logit_scale, g.final_logit_softcap)
 
     def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK,
                 all_logits: bool = False) -> mx.array:
