@@ -24,16 +24,29 @@ DEFAULT_PROMPT = "The weights are a river."
 
 def generate_tokens(model, cache: SlotCache, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                     stop_ids=frozenset()) -> Iterator[int]:
-    """Prefill the prompt, then sample up to `max_tokens` tokens, stopping at a stop id or a full cache."""
+    """Prefill the prompt, then sample up to `max_tokens` tokens, stopping at a stop id or a full cache.
+
+    Pipelined: the step that feeds token t back is built from t's lazy value and submitted
+    (mx.async_eval) before t is read, so the host prepares step t+1 while the GPU computes
+    step t (as mlx-lm generates; `python -m muse_mlx.bench` times both ways). The tokens are
+    those of feeding each token back only after reading it. The cache contract: it holds the
+    prompt and every token fed back, which here includes a stop token (that step was already
+    under way when the stop was read), but not the last token when max_tokens or the context
+    ends the run."""
     logits = model.prefill(prompt_ids, cache)
+    token = sampler.token(logits[-1])
     for i in range(max_tokens):
-        token = sampler(logits[-1])
-        if token in stop_ids:
+        following = None
+        if i + 1 < max_tokens and cache.room > 0:
+            following = sampler.token(model(token.reshape(1), cache, all_logits=False)[-1])
+            mx.async_eval(following)
+        value = int(token.item())
+        if value in stop_ids:
             return
-        yield token
-        if i + 1 == max_tokens or cache.room == 0:
+        yield value
+        if following is None:
             return
-        logits = model(mx.array([token]), cache, all_logits=False)
+        token = following
 
 
 @dataclass

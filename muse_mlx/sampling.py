@@ -60,10 +60,15 @@ class Sampler:
             logits = mx.where(probs >= s.min_p * probs.max(), logits, neg_inf)
         return logits
 
-    def __call__(self, logits: mx.array) -> int:
+    def token(self, logits: mx.array) -> mx.array:
+        """The sampled token as a lazy 0-d array: nothing waits for the logits, so the next
+        step can be built on it before it is computed (generate.generate_tokens)."""
         logits = logits.reshape(-1).astype(mx.float32)
         if self.settings.temp == 0:
-            return int(mx.argmax(logits).item())
+            return mx.argmax(logits)
         logits = self.filter(logits) / self.settings.temp
         self._key, sub = mx.random.split(self._key)
-        return int(mx.random.categorical(logits, key=sub).item())
+        return mx.random.categorical(logits, key=sub)
+
+    def __call__(self, logits: mx.array) -> int:
+        return int(self.token(logits).item())

@@ -87,20 +87,41 @@ class _StopAfter(Sampler):
         super().__init__(SamplerSettings())
         self.n, self.stop_id, self.calls = n, stop_id, 0
 
-    def __call__(self, logits):
+    def token(self, logits):
         self.calls += 1
-        return self.stop_id if self.calls > self.n else super().__call__(logits)
+        return mx.array(self.stop_id) if self.calls > self.n else super().token(logits)
 
 
 def test_generation_stops_at_a_stop_token_and_at_a_full_context(f32_fixture):
     model = load(f32_fixture)
     tok = MuseTokenizer(model.artifact.vocabulary)
     ids = tok.encode("stop here")
-    out = list(generate_tokens(model, model.make_cache(), ids, _StopAfter(3, tok.vocab.eom_id), 50, tok.stop_ids))
+    cache = model.make_cache()
+    out = list(generate_tokens(model, cache, ids, _StopAfter(3, tok.vocab.eom_id), 50, tok.stop_ids))
     assert len(out) == 3
+    assert cache.offset == len(ids) + 4  # the three tokens and the stop token, fed back (docstring)
     cache = model.make_cache(len(ids) + 5)
     out = list(generate_tokens(model, cache, ids, Sampler(SamplerSettings()), 50, tok.stop_ids))
     assert cache.room == 0 and len(out) == 6  # five fed back, the sixth sampled from the last logits
+    out = list(generate_tokens(model, cache := model.make_cache(), ids, Sampler(SamplerSettings()), 4))
+    assert len(out) == 4 and cache.offset == len(ids) + 3  # the last token is not fed back
+
+
+@pytest.mark.parametrize("settings", [SamplerSettings(), SamplerSettings(temp=0.8, top_k=40, top_p=0.9, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_pipelined_generation_gives_the_tokens_of_a_step_by_step_loop(f32_fixture, settings):
+    """generate_tokens builds each step before reading the token it feeds back; a plain loop
+    that reads each token first (sampler.__call__) must give the same tokens."""
+    model = load(f32_fixture)
+    ids = MuseTokenizer(model.artifact.vocabulary).encode("The weights are a river.")
+    got = list(generate_tokens(model, model.make_cache(), ids, Sampler(settings), 10))
+    cache, sampler = model.make_cache(), Sampler(settings)
+    logits = model.prefill(ids, cache)
+    want = []
+    for _ in range(10):
+        want.append(sampler(logits[-1]))
+        logits = model(mx.array([want[-1]]), cache, all_logits=False)
+    assert got == want
 
 
 def test_default_fixture_is_deterministic(tmp_path):
