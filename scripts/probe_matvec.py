@@ -9,7 +9,8 @@ Questions, each answered by a timed contrast (wall time around mx.eval, which wa
      (dispatch) a whole token through kernels.matvec with the engine's defaults, against a
      read-only pass over the same matrices.
   3. launch cost: a chain of tiny custom kernels and of tiny MLX ops, graph build and eval
-     timed apart.
+     timed apart; (kv_write) a token's K/V row writes with a Python row, with an array row
+     (what a compiled decode step needs) and compiled.
   4. the whole token: one token's 261 projections at the pinned geometry, weights made on
      the GPU (random bytes: the values do not matter for time) and, if --host, from host data.
 Writes a JSON receipt (synthetic random weights) to --receipt.
@@ -197,6 +198,44 @@ def section_dispatch(res):
     mx.clear_cache()
 
 
+def section_kv_write(res):
+    """One decode token's K/V row writes (26 arrays of a 32,898-row f16 plane, as at depth 32,768)
+    three ways: a slice assignment with a Python row (MLX's SliceUpdate), mx.slice_update with
+    the row as an array (DynamicSliceUpdate, what a compiled step needs), and the latter compiled.
+    A write that copies its array costs ~1,000x one that does not."""
+    u = mx.ones((2, 1, 128), dtype=mx.float16)
+    compiled = mx.compile(lambda r, *arrs: [mx.slice_update(a, u, start_indices=r, axes=(1,)) for a in arrs])
+
+    def static(arrs, i):
+        for a in arrs:
+            a[:, i:i + 1, :] = u
+        return arrs
+
+    def dynamic(arrs, i):
+        r = mx.array([i], dtype=mx.int32)
+        return [mx.slice_update(a, u, start_indices=r, axes=(1,)) for a in arrs]
+
+    def dynamic_compiled(arrs, i):
+        return compiled(mx.array([i], dtype=mx.int32), *arrs)
+
+    r = {}
+    for name, fn in (("static", static), ("dynamic", dynamic), ("dynamic_compiled", dynamic_compiled)):
+        arrs = [mx.zeros((2, 32898, 128), dtype=mx.float16) for _ in range(26)]
+        mx.eval(arrs)
+        samples = []
+        for _ in range(4):
+            t = time.perf_counter()
+            for i in range(20):
+                arrs = fn(arrs, i)
+                mx.eval(arrs)
+            samples.append((time.perf_counter() - t) / 20 * 1e3)
+        r[f"{name}_ms_per_token"] = stats(samples[1:])
+        del arrs
+        mx.clear_cache()
+    res["kv_write"] = r
+    print("kv write", {k: round(v["mean"], 3) for k, v in r.items()}, flush=True)
+
+
 def per_launch(fn, launches, reps=5):
     """fn() -> list of `launches` arrays; returns build and eval time per launch (us)."""
     mx.eval(fn())
@@ -330,6 +369,8 @@ def main():
         section_residency(res, a.host)
     if "launch" in parts:
         section_launch(res)
+    if "kv_write" in parts:
+        section_kv_write(res)
     if "token" in parts:
         section_token(res, False, "device" + a.tag)
         if a.host:
