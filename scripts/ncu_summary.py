@@ -1,0 +1,80 @@
+"""Fold an `ncu --csv --page raw` listing (scripts/profile_decode.sh) by kernel name.
+
+Per name: launches, total and mean time, DRAM read GB/s over the kernel's own time, warp
+instructions per KB of DRAM read, occupancy and issue activity (time-weighted means), and
+the share of the token's summed kernel time."""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+from collections import defaultdict
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    reader = csv.reader(lines)
+    header = next(reader)
+    next(reader)  # units
+    for r in reader:
+        yield dict(zip(header, r))
+
+
+def num(v: str) -> float:
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def short(name: str) -> str:
+    """The kernel's name without namespace, argument list and MLX's prefix; MLX appends the
+    template integers, so each shape of a kernel keeps a name of its own."""
+    name = re.sub(r"\(.*", "", name).split("::")[-1]
+    return name.replace("custom_kernel_muse_", "")[:60]
+
+
+def main(path: str) -> None:
+    agg = defaultdict(lambda: defaultdict(float))
+    for r in rows(path):
+        k = agg[short(r.get("Kernel Name", "?"))]
+        t = num(r["gpu__time_duration.sum"])
+        k["n"] += 1
+        k["ns"] += t
+        k["read"] += num(r["dram__bytes_read.sum"])
+        k["inst"] += num(r["smsp__inst_executed.sum"])
+        for m in ("sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+                  "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+                  "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+                  "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+                  "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+                  "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+                  "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio"):
+            k[m] += num(r.get(m, "0")) * t
+        k["regs"] = num(r.get("launch__registers_per_thread", "0"))
+        k["block"] = num(r.get("launch__block_size", "0"))
+        k["grid"] = max(k["grid"], num(r.get("launch__grid_size", "0")))
+    total = sum(k["ns"] for k in agg.values())
+    print(f"kernels: {sum(int(k['n']) for k in agg.values())}, summed time {total / 1e6:.3f} ms")
+    print(f"{'kernel':60} {'n':>4} {'ms':>7} {'%':>5} {'us/each':>8} {'GB/s':>6} {'i/KB':>6} {'occ%':>5} "
+          f"{'iss%':>5} {'lsb':>5} {'bar':>5} {'wait':>5} {'ssb':>5} {'mth':>5} {'lgt':>5} regs block grid")
+    for name, k in sorted(agg.items(), key=lambda kv: -kv[1]["ns"]):
+        t = k["ns"]
+        w = (lambda m: k[m] / t if t else 0.0)
+        print(f"{name:60} {int(k['n']):4d} {t / 1e6:7.3f} {100 * t / total:5.1f} {t / k['n'] / 1e3:8.2f} "
+              f"{k['read'] / t if t else 0:6.0f} {1024 * k['inst'] / k['read'] if k['read'] else 0:6.1f} "
+              f"{w('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f} "
+              f"{w('smsp__issue_active.avg.pct_of_peak_sustained_active'):5.1f} "
+              f"{w('smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio'):5.2f} "
+              f"{w('smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio'):5.2f} "
+              f"{w('smsp__average_warps_issue_stalled_wait_per_issue_active.ratio'):5.2f} "
+              f"{w('smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio'):5.2f} "
+              f"{w('smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio'):5.2f} "
+              f"{w('smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio'):5.2f} "
+              f"{int(k['regs']):4d} {int(k['block']):5d} {int(k['grid']):5d}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

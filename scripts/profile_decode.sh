@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One warm decode token under Nsight Compute (device side; the machine's image has ncu).
+#   bash scripts/profile_decode.sh MODEL.gguf OUTDIR [DEPTH]
+# Writes OUTDIR/ncu-token.csv (every kernel of the token: time, DRAM bytes, instructions,
+# occupancy, issue activity), OUTDIR/ncu-token-summary.txt (the same folded by kernel name)
+# and OUTDIR/ncu-details-*.txt (full sections, stall reasons and the hottest SASS, for the
+# first kernels of the token whose names match each DETAIL regex). Clocks are left alone (--clock-control none).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODEL=$1 OUTDIR=$2 DEPTH=${3:-512}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
+METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum,\
+sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,\
+launch__registers_per_thread,launch__grid_size,launch__block_size,\
+smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
+smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
+timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all --metrics "$METRICS" \
+  --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-token.csv" 2> "$OUTDIR/ncu-token.err"
+echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token.err"
+python3 scripts/ncu_summary.py "$OUTDIR/ncu-token.csv" | tee "$OUTDIR/ncu-token-summary.txt"
+# Full sections for the first kernels of the token matching each regex (name:count).
+for spec in ${DETAIL:-"matvec_stream|attention_partial:8" "silu_q4_k:1"}; do
+  rx=${spec%:*} count=${spec##*:} tag=$(echo "${spec%:*}" | tr -c 'a-z0-9_\n' '-' | cut -c1-30)
+  timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k "regex:$rx" \
+    --launch-count "$count" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats --section SourceCounters \
+    python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-details-$tag.txt" 2>&1
+  echo "ncu details $spec rc $?"
+done
