@@ -41,11 +41,12 @@ inline float2 k4_scale_min_words(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
                      float(((s2 >> k) >> 4 & 15u) | (((s1 >> k) >> 6 & 3u) << 4)));
 }
 
-// 16 bytes at byte offset `off` (a multiple of 2) of a 4-byte-aligned buffer, as four
-// little-endian words: five aligned word loads and funnel shifts (Q6_K's 210-byte blocks
-// are only 2-byte aligned).
-template <typename P> inline uint4 load16_at(P base, uint64_t off) {
-  GLOBAL_CONST(uint32_t)* wp = (GLOBAL_CONST(uint32_t)*)(base) + (off >> 2);
+// 16 bytes at byte offset `off` (a multiple of 2) from `words`, a 4-byte-aligned pointer to
+// 32-bit words in any address space (device or threadgroup memory), as four little-endian
+// words: five aligned word loads and funnel shifts (Q6_K's 210-byte blocks are only 2-byte
+// aligned).
+template <typename WP, typename O> inline uint4 load16_at(WP words, O off) {
+  WP wp = words + (off >> 2);
   const uint32_t s = uint32_t(off & 3u) * 8u;
   const uint32_t a = wp[0], b = wp[1], c = wp[2], d = wp[3], e = s ? wp[4] : 0u;
   uint4 r;
@@ -56,9 +57,9 @@ template <typename P> inline uint4 load16_at(P base, uint64_t off) {
   return r;
 }
 
-// 8 bytes at byte offset `off` (a multiple of 2) of a 4-byte-aligned buffer, as two words.
-template <typename P> inline uint2 load8_at(P base, uint64_t off) {
-  GLOBAL_CONST(uint32_t)* wp = (GLOBAL_CONST(uint32_t)*)(base) + (off >> 2);
+// 8 bytes at byte offset `off` (a multiple of 2) from `words` (as load16_at), as two words.
+template <typename WP, typename O> inline uint2 load8_at(WP words, O off) {
+  WP wp = words + (off >> 2);
   const uint32_t s = uint32_t(off & 3u) * 8u;
   const uint32_t a = wp[0], b = wp[1], c = s ? wp[2] : 0u;
   uint2 r;

@@ -211,7 +211,10 @@ def run_bench(args) -> dict:
     g = model.geometry
     types = {n: t.qtype for n, t in artifact.tensors.items()}
     bw = read_bandwidth_gbps()
-    out = {"model": str(args.model), "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
+    from . import kernels
+
+    out = {"model": str(args.model), "matvec_loop": kernels.matvec_loop(),
+           "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
            "read_bandwidth_gbps": bw, "decode": [], "prefill": []}
     for depth in args.depths:
         cell = decode_cell(model, depth, args.decode_tokens, args.reps, args.warmup)

@@ -22,6 +22,7 @@ import os
 import re
 from functools import lru_cache
 from importlib import resources
+from typing import NamedTuple
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType as QT
@@ -85,8 +86,11 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    # streaming one-token matvecs: matvec_stream[_silu]_<format>
-    **{f"matvec_stream{act}_{v}": ("matvec_stream", ["prologue", xs, v, "epilogue"], ["w", *inputs], ["y"])
+    # streaming one-token matvecs: matvec_<loop>[_silu]_<format>, the rows loaded straight from
+    # device memory (loop "stream") or staged in threadgroup memory first (loop "staged")
+    **{f"matvec_{loop}{act}_{v}": ("matvec_stream", ["prologue", xs, v, f"loop_{head}", f"{v}_rows", "epilogue"],
+                                   ["w", *inputs], ["y"])
+       for loop, head in (("stream", "direct"), ("staged", "staged"))
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
        for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
@@ -100,14 +104,19 @@ KERNELS = {
 
 
 @lru_cache(maxsize=None)
-def kernel(name: str, which: str | None = None):
+def kernel(name: str, which: str | None = None, shared_memory: int = 0):
+    """The kernel `name` for backend `which`; `shared_memory`: dynamic threadgroup memory in bytes
+    (CUDA; a Metal body declares its threadgroup memory with a size)."""
     which = which or backend()
     if which is None:
         raise RuntimeError("no GPU backend: the kernel path needs Metal or CUDA")
     family, parts, inputs, outputs = KERNELS[name]
     header, source = render(family, parts, which)
-    make = mx.fast.metal_kernel if which == "metal" else mx.fast.cuda_kernel
-    return make(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source, header=header)
+    if which == "metal":
+        return mx.fast.metal_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
+                                    header=header)
+    return mx.fast.cuda_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
+                               header=header, shared_memory=shared_memory)
 
 
 # ---- matvec ----------------------------------------------------------------------------
@@ -143,12 +152,62 @@ def stream_groups(threads: int) -> int:
     return CUDA_MULTIPROCESSORS * max(1, STREAM_MAX_THREADS // threads)
 
 
-def _stream_name(variant: str, act: str = "") -> str:
-    return f"matvec_stream{act}_{variant}"
+STAGED_MAX_ROWS = {QT.Q4_K: 4, QT.Q6_K: 2}  # R of the staged loop: ptxas keeps these within 128 registers (sm_90a)
+STAGED_SHARED_PER_SM = 220 * 1024   # of a Hopper SM's 228 KB of shared memory (static arrays, 1 KB a block for the driver)
+METAL_STAGE_BYTES = 28 * 1024        # Metal: at most 32 KB of threadgroup memory, declared with the body
+
+
+class StreamPlan(NamedTuple):
+    """How one streaming matvec launch walks its rows (matvec_stream.inc)."""
+    loop: str          # "staged" (rows staged in threadgroup memory) or "stream" (straight from device memory)
+    rows: int          # R: rows per step (one threadgroup barrier each)
+    rows_loaded: int   # RF: rows whose pieces are loaded together
+    stages: int        # NS: row groups staged at once (staged loop)
+    groups: int        # threadgroups in the grid
+    shared_bytes: int  # dynamic threadgroup memory (CUDA, staged loop)
+
+
+def matvec_loop() -> str:
+    """The one-token matvec loop: MUSE_MLX_MATVEC = staged (default), stream, or simple (matvec.inc)."""
+    choice = os.environ.get("MUSE_MLX_MATVEC", "") or "staged"
+    if choice not in ("staged", "stream", "simple"):
+        raise ValueError(f"MUSE_MLX_MATVEC must be staged, stream or simple, not {choice!r}")
+    return choice
+
+
+def stream_plan(qtype: QT, K: int, N: int) -> StreamPlan:
+    """The launch of a streaming matvec over N rows of length K (streams(qtype, K) must hold).
+
+    staged: R rows a stage, NS stages, as many threadgroups per multiprocessor as registers
+    allow (stream_groups); the stages share the multiprocessor's shared memory, R as large as
+    fits (at most STAGED_MAX_ROWS). Metal: one stage of at most METAL_STAGE_BYTES (its copies are
+    synchronous; unmeasured here). stream: STREAM_VARIANTS' R and RF."""
+    tpg = stream_threads(K)
+    if matvec_loop() == "stream":
+        _, R, RF = STREAM_VARIANTS[qtype]
+        return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(tpg)), 0)
+    row_bytes = K // 256 * QT_ROW_BYTES_PER_256[qtype]
+    if backend() == "metal":
+        stages, budget = 1, METAL_STAGE_BYTES
+    else:
+        per_sm = max(1, STREAM_MAX_THREADS // tpg)
+        stages, budget = (4 if per_sm == 1 else 3), STAGED_SHARED_PER_SM // per_sm
+    R = max(1, min(STAGED_MAX_ROWS[qtype], (budget // stages - 32) // row_bytes))
+    RF = min(2, R)
+    R -= R % RF
+    while stages > 1 and stages * (R * row_bytes + 32) > budget:
+        stages -= 1
+    stage_bytes = (R * row_bytes + 31) // 16 * 16
+    return StreamPlan("staged", R, RF, stages, min(-(-N // R), stream_groups(tpg)),
+                      stages * stage_bytes if backend() == "cuda" else 0)
+
+
+def _stream_name(loop: str, variant: str, act: str = "") -> str:
+    return f"matvec_{loop}{act}_{variant}"
 
 
 def stream_enabled() -> bool:
-    return os.environ.get("MUSE_MLX_MATVEC", "") != "simple"
+    return matvec_loop() != "simple"
 
 
 def supports(qtype: QT) -> bool:
@@ -195,12 +254,14 @@ def _stream_launch(w: mx.array, qtype: QT, K: int, act: str, x_inputs: list, ext
                    init_value: float | None) -> mx.array:
     """One launch of a streaming matvec (matvec_stream.inc) over the raw rows w: (1, N) float32."""
     N = w.shape[0]
-    variant, R, RF = STREAM_VARIANTS[qtype]
+    variant = STREAM_VARIANTS[qtype][0]
     tpg = stream_threads(K)
-    groups = min(-(-N // R), stream_groups(tpg))
-    return kernel(_stream_name(variant, act))(
-        inputs=[w, *x_inputs], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF), *extra],
-        grid=(groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
+    plan = stream_plan(qtype, K, N)
+    template = [("K", K), ("N", N), ("TPG", tpg), ("R", plan.rows), ("RF", plan.rows_loaded),
+                ("RB", K // 256 * QT_ROW_BYTES_PER_256[qtype]), ("NS", plan.stages), *extra]
+    return kernel(_stream_name(plan.loop, variant, act), None, plan.shared_bytes)(
+        inputs=[w, *x_inputs], template=template,
+        grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
         output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
 
 

@@ -8,6 +8,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # The device gets the working tree without .git: carry .device/revision, written before the
 # call with `git rev-parse HEAD > .device/revision`, so receipts name the revision.
 [ -f .device/revision ] && export MUSE_GIT_REVISION="$(cat .device/revision)"
+[ -f /tmp/matvec-loop ] && export MUSE_MLX_MATVEC="$(cat /tmp/matvec-loop)"   # device_a's fallback
 for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
 echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -3 /tmp/llama/build.log
 LB=/tmp/llama/llama.cpp/build/bin/llama-bench
@@ -29,6 +30,6 @@ for r in rows:
 PY
 timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --no-matvecs \
   --receipt "$OUT/bench-ours-after-llama.json" 2>&1 | tee "$OUT/bench-2.log"
-timeout 60 python3 scripts/probe_matvec.py --parts dispatch --receipt "$OUT/probe-dispatch.json" 2>&1
+timeout 150 python3 scripts/probe_matvec.py --parts dispatch,loops --receipt "$OUT/probe-dispatch.json" 2>&1
 python3 -m muse_mlx.bench --combine "$OUT/bench-ours-after-llama.json" "$OUT/llama-bench.json" \
   --receipt "$OUT/bench-compare.json"

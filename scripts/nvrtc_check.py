@@ -33,10 +33,18 @@ CASES = [
     *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
       for wt in ("float32", "float16", "bfloat16")],
     *[(f"matvec_stream_{v}", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf)])
-      for v in ("q4_k", "q6_k") for k in (256, 4096, 6656, 19968) for rf in (2, 4)],
-    *[(f"matvec_stream_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
-       [("K", 19968), ("N", 6656), ("TPG", 320), ("R", 8), ("RF", 2), ("UP_OFF", 19968)]) for v in ("q4_k", "q6_k")],
+       [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf), ("RB", k // 256 * rb),
+        ("NS", 1)])
+      for v, rb in (("q4_k", 144), ("q6_k", 210)) for k in (256, 4096, 6656, 19968) for rf in (2, 4)],
+    *[(f"matvec_staged_{v}", ["uint8", "float32"], ["float32"],
+       [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", r), ("RF", min(2, r)), ("RB", k // 256 * rb),
+        ("NS", ns)])
+      for v, rb in (("q4_k", 144), ("q6_k", 210)) for k, r, ns in ((256, 1, 1), (4096, 2, 3), (6656, 4, 3),
+                                                                   (19968, 4, 4), (32768, 2, 4))],
+    *[(f"matvec_{loop}_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
+       [("K", 19968), ("N", 6656), ("TPG", 320), ("R", r), ("RF", 2), ("RB", 78 * rb), ("NS", ns),
+        ("UP_OFF", 19968)])
+      for v, rb in (("q4_k", 144), ("q6_k", 210)) for loop, r, ns in (("stream", 8, 1), ("staged", 2, 4))],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 128)]),
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],

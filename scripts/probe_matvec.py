@@ -7,7 +7,8 @@ Questions, each answered by a timed contrast (wall time around mx.eval, which wa
   2. (stream) the streaming one-token matvecs: a float64 check, then a sweep of rows per
      step, rows loaded together and grid size at every layer shape, and a whole token;
      (dispatch) a whole token through kernels.matvec with the engine's defaults, against a
-     read-only pass over the same matrices.
+     read-only pass over the same matrices; (loops) the streaming kernel's two loops, rows
+     from device memory against rows staged in threadgroup memory, per shape and per token.
   3. launch cost: a chain of tiny custom kernels and of tiny MLX ops, graph build and eval
      timed apart; (kv_write) a token's K/V row writes with a Python row, with an array row
      (what a compiled decode step needs) and compiled.
@@ -89,8 +90,9 @@ def stream(w, x, variant, K, N, R=8, RF=4, groups="default"):
     tpg = kernels.stream_threads(K)
     nrg = -(-N // R)
     g = nrg if groups is None else min(nrg, kernels.stream_groups(tpg) if groups == "default" else groups)
+    rb = K // 256 * {"q4_k": Q4, "q6_k": Q6}[variant]
     return kernels.kernel(f"matvec_stream_{variant}")(
-        inputs=[w, x], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF)],
+        inputs=[w, x], template=[("K", K), ("N", N), ("TPG", tpg), ("R", R), ("RF", RF), ("RB", rb), ("NS", 1)],
         grid=(g * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)], output_dtypes=[mx.float32])[0]
 
 
@@ -194,6 +196,50 @@ def section_dispatch(res):
         r[f"{name}_GBps"] = stats([total / s / 1e9 for s in t])
     res["token_dispatch"] = r
     print("dispatch", {k: round(v["mean"], 3) for k, v in r.items() if isinstance(v, dict)}, flush=True)
+    del ws
+    mx.clear_cache()
+
+
+def section_loops(res):
+    """The two one-token loops of matvec_stream.inc through kernels.matvec (each with its own
+    plan, kernels.stream_plan): rows straight from device memory ("stream") against rows staged
+    in threadgroup memory ("staged"), per layer shape, then a whole token's projections."""
+    from gguf import GGMLQuantizationType as QT
+
+    qt = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
+    before = os.environ.get("MUSE_MLX_MATVEC")
+    per_shape = {}
+    for name, (K, N, variant, bb) in STREAM_SHAPES.items():
+        w = device_bytes(N, K // 256 * bb, seed=3)
+        x = mx.random.normal((1, K))
+        reps = max(4, min(40, int(2e9 // w.nbytes)))
+        for loop in ("stream", "staged"):
+            os.environ["MUSE_MLX_MATVEC"] = loop
+            t = timed(lambda w=w, q=qt[variant], x=x, n=reps: [kernels.matvec(w, q, x) for _ in range(n)], reps=5)
+            per_shape[f"{name}|{loop}"] = stats([reps * w.nbytes / s / 1e9 for s in t])
+        print(name, {lp: round(per_shape[f"{name}|{lp}"]["mean"]) for lp in ("stream", "staged")}, "GB/s",
+              flush=True)
+        del w
+    res["loops_GBps"] = per_shape
+    mx.clear_cache()
+    shapes = token_shapes()
+    ws = [device_bytes(N, K // 256 * b, seed=i) for i, (K, N, b, _) in enumerate(shapes)]
+    xs = {K: mx.random.normal((1, K)) for K, *_ in shapes}
+    mx.eval(list(xs.values()))
+    total = sum(w.nbytes for w in ws)
+    token = {"weight_bytes": total, "launches": len(shapes)}
+    for loop in ("stream", "staged", "stream", "staged"):   # interleaved twice
+        os.environ["MUSE_MLX_MATVEC"] = loop
+        t = timed(lambda ws=ws: [kernels.matvec(w, qt[v], xs[K]) for w, (K, N, b, v) in zip(ws, shapes)],
+                  reps=5, warmup=2)
+        token.setdefault(f"{loop}_ms", []).append(stats([s * 1e3 for s in t]))
+    res["loops_token"] = token
+    print("token ms", {k: [round(c["mean"], 3) for c in v] for k, v in token.items() if k.endswith("_ms")},
+          flush=True)
+    if before is None:
+        os.environ.pop("MUSE_MLX_MATVEC", None)
+    else:
+        os.environ["MUSE_MLX_MATVEC"] = before
     del ws
     mx.clear_cache()
 
@@ -365,6 +411,8 @@ def main():
         section_stream(res)
     if "dispatch" in parts:
         section_dispatch(res)
+    if "loops" in parts:
+        section_loops(res)
     if "residency" in parts:
         section_residency(res, a.host)
     if "launch" in parts:

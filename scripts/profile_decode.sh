@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One warm decode token under Nsight Compute (device side; the machine's image has ncu).
 #   bash scripts/profile_decode.sh MODEL.gguf OUTDIR [DEPTH]
-# Writes OUTDIR/ncu-token.csv (every kernel of the token: time, DRAM bytes, instructions,
+# Writes OUTDIR/ncu-token.csv (each of our kernels in the token: time, DRAM bytes, instructions,
 # occupancy, issue activity), OUTDIR/ncu-token-summary.txt (the same folded by kernel name)
 # and OUTDIR/ncu-details-*.txt (full sections, stall reasons and the hottest SASS, for the
 # first kernels of the token whose names match each DETAIL regex). Clocks are left alone (--clock-control none).
@@ -19,7 +19,9 @@ smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
-timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all --metrics "$METRICS" \
+# Our kernels only (-k muse): ncu could not replay one of MLX's own (binary_g_nd) in the
+# embedding lookup, and hung there.
+timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k regex:muse --metrics "$METRICS" \
   --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-token.csv" 2> "$OUTDIR/ncu-token.err"
 echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token.err"
 python3 scripts/ncu_summary.py "$OUTDIR/ncu-token.csv" | tee "$OUTDIR/ncu-token-summary.txt"

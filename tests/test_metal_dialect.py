@@ -27,6 +27,7 @@ SHIM = """
 #define device
 #define thread
 #define constant
+#define threadgroup
 typedef unsigned long ulong;
 typedef _Float16 half;
 template <class T, class U> T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "size"); T t; std::memcpy(&t, &u, sizeof t); return t; }
@@ -51,9 +52,17 @@ int main() {
       static uint32_t words[16]; unsigned off; uint8_t* bytes = (uint8_t*)words;
       for (int i = 0; i < 64; ++i) { unsigned b; std::scanf("%u", &b); bytes[i] = (uint8_t)b; }
       std::scanf("%u", &off);
-      const uint4 q = load16_at((const uint8_t*)words, (uint64_t)off);
-      const uint2 h = load8_at((const uint8_t*)words, (uint64_t)off);
+      const uint4 q = load16_at((const uint32_t*)words, (uint64_t)off);
+      const uint2 h = load8_at((const uint32_t*)words, (uint64_t)off);
       std::printf("%u %u %u %u %u %u\\n", q.x, q.y, q.z, q.w, h.x, h.y);
+    }
+    else if (!std::strcmp(op, "copy")) {  // copy16_async of the first n of 16 bytes, into poisoned bytes
+      uint8_t src[16], dst[16]; unsigned n;
+      for (int i = 0; i < 16; ++i) { unsigned b; std::scanf("%u", &b); src[i] = (uint8_t)b; dst[i] = 0xAB; }
+      std::scanf("%u", &n);
+      copy16_async(dst, src, n);
+      for (int i = 0; i < 16; ++i) std::printf("%u ", dst[i]);
+      std::printf("\\n");
     }
     else if (!std::strcmp(op, "scale")) {  // k4_scale_min_sel from three words, group g
       uint32_t s0, s1, s2; int g; std::scanf("%u %u %u %d", &s0, &s1, &s2, &g);
@@ -137,3 +146,14 @@ def test_q4_k_scale_unpacking(metal_helpers):
     got = metal_helpers(lines)
     want = [get_scale_min_k4(g, q) for q in blocks for g in range(8)]
     assert [tuple(int(float(v)) for v in x.split()) for x in got] == want
+
+
+def test_stage_copy_fills_past_the_source_with_zeros(metal_helpers):
+    """copy16_async (the staged matvec loop's copy, cp.async's zero fill on CUDA) copies the
+    first n bytes and zeros the rest: the last piece of a matrix whose size is not a multiple
+    of 16 bytes."""
+    rng = random.Random(5)
+    cases = [([rng.randrange(256) for _ in range(16)], n) for n in (16, 15, 8, 1, 0)]
+    out = metal_helpers([f"copy {' '.join(map(str, src))} {n}" for src, n in cases])
+    for (src, n), line in zip(cases, out):
+        assert [int(v) for v in line.split()] == src[:n] + [0] * (16 - n)

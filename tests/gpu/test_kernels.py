@@ -135,7 +135,8 @@ def check_matvec(check: str, qtype, n: int, k: int, batch: int, rng, **fields) -
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("batch", [1, 5, 8])
 def test_matvec(qtype, shape, batch):
-    """Batch 1 is the streaming one-token kernel (matvec_stream) for Q4_K and Q6_K, the simple one otherwise."""
+    """Batch 1 is the streaming one-token kernel (matvec_stream.inc, its default loop) for Q4_K and Q6_K,
+    the simple one otherwise."""
     if shape[0] == 202048 and (batch != 1 or qtype not in (QT.Q6_K, QT.Q4_K)):
         pytest.skip("LM head: Q6_K (its type in Q4_K_M) and Q4_K, one token")
     if batch > 1 and shape != (4096, 6656):
@@ -148,21 +149,26 @@ def test_matvec(qtype, shape, batch):
 @pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (9, 32768), (9, 33024)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("groups", ["default", "3"])
-def test_matvec_stream_other_shapes(qtype, shape, groups, monkeypatch):
+@pytest.mark.parametrize("loop", ["staged", "stream"])
+def test_matvec_stream_other_shapes(qtype, shape, groups, loop, monkeypatch):
     """Row counts that leave a row group partly empty, an odd number of blocks per row (Q6_K
-    blocks at 2-byte alignment), the widest streaming K (32,768: 512 threads), a K past it
-    (33,024: matvec.inc takes it), and a grid smaller than the row groups."""
+    blocks at 2-byte alignment; staged rows that start off a 16-byte boundary), the widest
+    streaming K (32,768: 512 threads), a K past it (33,024: matvec.inc takes it), and a grid
+    smaller than the row groups (a staged threadgroup then refills each stage several times)."""
+    monkeypatch.setenv("MUSE_MLX_MATVEC", loop)
     if groups != "default":
         monkeypatch.setenv("MUSE_MLX_STREAM_GROUPS", groups)
     n, k = shape
-    check_matvec("matvec_stream", qtype, n, k, 1, np.random.default_rng([SEED, n, k, int(qtype), len(groups)]),
-                 groups=groups)
+    check_matvec(f"matvec_{loop}", qtype, n, k, 1,
+                 np.random.default_rng([SEED, n, k, int(qtype), len(groups), len(loop)]), groups=groups)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [(6656, 19968), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_matvec_silu(qtype, shape):
+@pytest.mark.parametrize("loop", ["staged", "stream"])
+def test_matvec_silu(qtype, shape, loop, monkeypatch):
     """The FFN down product with silu(gate) * up made inside the kernel."""
+    monkeypatch.setenv("MUSE_MLX_MATVEC", loop)
     n, k = shape
     rng = np.random.default_rng([SEED, n, k, int(qtype), 5])
     w = mx.array(random_blocks(n, k, qtype, rng))
@@ -174,7 +180,7 @@ def test_matvec_silu(qtype, shape):
     ref = act @ np.array(dequantize(w, qtype)).astype(np.float64).T
     err = rel_err(out.astype(np.float64), ref)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec_silu", qtype=qtype.name, n=n, k=k, rel_err=err, **{"pass": ok})
+    record("matvec_silu", qtype=qtype.name, n=n, k=k, loop=loop, rel_err=err, **{"pass": ok})
     assert ok, err
 
 
