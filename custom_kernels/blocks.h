@@ -78,8 +78,9 @@ inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
                      float(low ? (b & 63u) : ((c >> 4 & 15u) | ((b >> 6 & 3u) << 4))));
 }
 
-// silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, the FFN's gated activation.
-template <typename P> inline float silu_mul_at(P g, P u, int i) {
-  const float a = g[i];
-  return a / (1.0f + EXPF(-a)) * u[i];
+// silu(g[j]) * u[j] for j = i..i+3 (i a multiple of 4; g + i and u + i 16-byte aligned).
+template <typename P> inline float4 silu_mul4_at(P g, P u, int i) {
+  const float4 a = LOAD_F4(g + i), b = LOAD_F4(u + i);
+  return MAKE_FLOAT4(a.x / (1.0f + EXPF(-a.x)) * b.x, a.y / (1.0f + EXPF(-a.y)) * b.y,
+                     a.z / (1.0f + EXPF(-a.z)) * b.z, a.w / (1.0f + EXPF(-a.w)) * b.w);
 }

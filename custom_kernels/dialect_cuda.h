@@ -9,6 +9,7 @@
 #define FMAXF(a, b) fmaxf(a, b)
 #define NEG_INF (-__uint_as_float(0x7f800000u))
 #define MAKE_FLOAT2(a, b) make_float2(a, b)
+#define MAKE_FLOAT4(a, b, c, d) make_float4(a, b, c, d)
 #define UNROLL_4 _Pragma("unroll 4")
 #define UNROLL_FULL _Pragma("unroll")
 __device__ __forceinline__ float warp_sum(float v) {

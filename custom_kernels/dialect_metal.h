@@ -9,6 +9,7 @@
 #define FMAXF(a, b) metal::max(a, b)
 #define NEG_INF (-INFINITY)
 #define MAKE_FLOAT2(a, b) float2(a, b)
+#define MAKE_FLOAT4(a, b, c, d) float4(a, b, c, d)
 #define UNROLL_4 _Pragma("clang loop unroll_count(4)")
 #define UNROLL_FULL _Pragma("clang loop unroll(full)")
 inline float warp_sum(float v) { return simd_sum(v); }

@@ -168,26 +168,35 @@ class StreamPlan(NamedTuple):
 
 
 def matvec_loop() -> str:
-    """The one-token matvec loop: MUSE_MLX_MATVEC = staged (default), stream, or simple (matvec.inc)."""
-    choice = os.environ.get("MUSE_MLX_MATVEC", "") or "staged"
+    """The one-token matvec loop: MUSE_MLX_MATVEC = stream (default: rows straight from device
+    memory), staged (rows staged in threadgroup memory; on the H200 no faster per kernel and
+    slower end to end, docs/kernels.md "Fourth session"), or simple (matvec.inc)."""
+    choice = os.environ.get("MUSE_MLX_MATVEC", "") or "stream"
     if choice not in ("staged", "stream", "simple"):
         raise ValueError(f"MUSE_MLX_MATVEC must be staged, stream or simple, not {choice!r}")
     return choice
 
 
 def stream_plan(qtype: QT, K: int, N: int) -> StreamPlan:
-    """The launch of a streaming matvec over N rows of length K (streams(qtype, K) must hold).
+    """The launch of a streaming matvec over N rows of length K (streams(qtype, K) must hold),
+    worked out once per shape and setting (the decode step asks ~260 times a token)."""
+    return _stream_plan(qtype, K, N, matvec_loop(), backend(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""))
+
+
+@lru_cache(maxsize=None)
+def _stream_plan(qtype: QT, K: int, N: int, loop: str, which: str | None, groups_env: str) -> StreamPlan:
+    """stream_plan for one loop, backend and MUSE_MLX_STREAM_GROUPS value.
 
     staged: R rows a stage, NS stages, as many threadgroups per multiprocessor as registers
     allow (stream_groups); the stages share the multiprocessor's shared memory, R as large as
     fits (at most STAGED_MAX_ROWS). Metal: one stage of at most METAL_STAGE_BYTES (its copies are
     synchronous; unmeasured here). stream: STREAM_VARIANTS' R and RF."""
     tpg = stream_threads(K)
-    if matvec_loop() == "stream":
+    if loop == "stream":
         _, R, RF = STREAM_VARIANTS[qtype]
         return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(tpg)), 0)
     row_bytes = K // 256 * QT_ROW_BYTES_PER_256[qtype]
-    if backend() == "metal":
+    if which == "metal":
         stages, budget = 1, METAL_STAGE_BYTES
     else:
         per_sm = max(1, STREAM_MAX_THREADS // tpg)
@@ -199,7 +208,7 @@ def stream_plan(qtype: QT, K: int, N: int) -> StreamPlan:
         stages -= 1
     stage_bytes = (R * row_bytes + 31) // 16 * 16
     return StreamPlan("staged", R, RF, stages, min(-(-N // R), stream_groups(tpg)),
-                      stages * stage_bytes if backend() == "cuda" else 0)
+                      stages * stage_bytes if which == "cuda" else 0)
 
 
 def _stream_name(loop: str, variant: str, act: str = "") -> str:

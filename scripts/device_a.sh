@@ -24,11 +24,6 @@ MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-300}" python3
   --tb=line > "$OUT/gpu-tests.log" 2>&1
 grep -E "PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | awk '{print $2}' | sort | uniq -c; grep -E "^FAILED|Error" "$OUT/gpu-tests.log" | head -12
 
-# A failed check of the staged matvec loop (the default) sends the bench to the other loop.
-if grep -E "^FAILED.*(staged|test_matvec\[1-)" "$OUT/gpu-tests.log" > /dev/null; then
-  echo "staged matvec loop failed a check: benchmarking MUSE_MLX_MATVEC=stream"; export MUSE_MLX_MATVEC=stream
-  echo stream > /tmp/matvec-loop
-fi
 python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
 timeout 240 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic ${BENCH_ARGS:-} \
   --receipt "$OUT/bench-ours.json" 2>&1 | tee "$OUT/bench.log"

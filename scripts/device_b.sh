@@ -8,7 +8,6 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 # The device gets the working tree without .git: carry .device/revision, written before the
 # call with `git rev-parse HEAD > .device/revision`, so receipts name the revision.
 [ -f .device/revision ] && export MUSE_GIT_REVISION="$(cat .device/revision)"
-[ -f /tmp/matvec-loop ] && export MUSE_MLX_MATVEC="$(cat /tmp/matvec-loop)"   # device_a's fallback
 for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
 echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -3 /tmp/llama/build.log
 LB=/tmp/llama/llama.cpp/build/bin/llama-bench

@@ -33,6 +33,7 @@ typedef _Float16 half;
 template <class T, class U> T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "size"); T t; std::memcpy(&t, &u, sizeof t); return t; }
 namespace metal { using std::exp; using std::sqrt; using std::max; inline float rsqrt(float x) { return 1.0f / std::sqrt(x); } }
 struct float2 { float x, y; float2(float a, float b) : x(a), y(b) {} };
+struct float4 { float x, y, z, w; float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {} };
 struct uint2 { uint32_t x, y; };
 struct uint4 { uint32_t x, y, z, w; };
 inline float simd_sum(float v) { return v; }

@@ -57,6 +57,14 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
+def product_err(out: np.ndarray, ref: np.ndarray, scale: np.ndarray) -> float:
+    """|out - ref| over the size of the terms summed, |W| @ |x| (float64), not over |ref|: a
+    single output row can cancel to near zero, and float32 rounding error scales with the
+    terms, not with their sum (one 256-value Q6_K row gave 6.5e-5 relative to |ref|, the
+    same in both matvec loops)."""
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(scale))
+
+
 # ---- the kernel path against the reference path, whole model ---------------------------
 
 
@@ -119,15 +127,18 @@ def test_kernel_path_logits_match_reference_path(fixture_files, name):
 
 def check_matvec(check: str, qtype, n: int, k: int, batch: int, rng, **fields) -> None:
     """kernels.matvec on random valid blocks against float64 numpy (the bit-exact MLX-ops
-    dequantization); records the check and asserts a finite result within 1e-5 relative."""
+    dequantization); records the check and asserts a finite result within 1e-5 of the size of
+    the terms (product_err)."""
     w = mx.array(random_blocks(n, k, qtype, rng))
     x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
     out = np.array(kernels.matvec(w, qtype, x, init_value=float("nan"))).astype(np.float64)
-    ref = np.array(x).astype(np.float64) @ np.array(dequantize(w, qtype)).astype(np.float64).T
-    err = rel_err(out, ref)
+    dense = np.array(dequantize(w, qtype)).astype(np.float64)
+    x64 = np.array(x).astype(np.float64)
+    ref = x64 @ dense.T
+    err = product_err(out, ref, np.abs(x64) @ np.abs(dense).T)
     finite = bool(np.isfinite(out).all())
     ok = finite and err < 1e-5
-    record(check, qtype=qtype.name, n=n, k=k, batch=batch, rel_err=err, finite=finite, **fields, **{"pass": ok})
+    record(check, qtype=qtype.name, n=n, k=k, batch=batch, err_over_terms=err, finite=finite, **fields, **{"pass": ok})
     assert ok, err
 
 
@@ -177,10 +188,11 @@ def test_matvec_silu(qtype, shape, loop, monkeypatch):
     out = np.array(kernels.matvec_silu(w, qtype, gu, gu, up_offset=k, init_value=float("nan")))
     g64 = gate.astype(np.float64)
     act = g64 / (1 + np.exp(-g64)) * up.astype(np.float64)
-    ref = act @ np.array(dequantize(w, qtype)).astype(np.float64).T
-    err = rel_err(out.astype(np.float64), ref)
+    dense = np.array(dequantize(w, qtype)).astype(np.float64)
+    ref = act @ dense.T
+    err = product_err(out.astype(np.float64), ref, np.abs(act) @ np.abs(dense).T)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec_silu", qtype=qtype.name, n=n, k=k, loop=loop, rel_err=err, **{"pass": ok})
+    record("matvec_silu", qtype=qtype.name, n=n, k=k, loop=loop, err_over_terms=err, **{"pass": ok})
     assert ok, err
 
 
