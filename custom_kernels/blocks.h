@@ -78,6 +78,9 @@ inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
                      float(low ? (b & 63u) : ((c >> 4 & 15u) | ((b >> 6 & 3u) << 4))));
 }
 
+// Component e (0-3, a compile-time constant after unrolling) of a float4.
+#define F4_AT(v, e) ((e) == 0 ? (v).x : (e) == 1 ? (v).y : (e) == 2 ? (v).z : (v).w)
+
 // silu(g[j]) * u[j] for j = i..i+3 (i a multiple of 4; g + i and u + i 16-byte aligned).
 template <typename P> inline float4 silu_mul4_at(P g, P u, int i) {
   const float4 a = LOAD_F4(g + i), b = LOAD_F4(u + i);

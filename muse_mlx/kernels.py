@@ -86,11 +86,13 @@ KERNELS = {
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"])
        for v in QUANT_VARIANTS.values()},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    # streaming one-token matvecs: matvec_<loop>[_silu]_<format>, the rows loaded straight from
-    # device memory (loop "stream") or staged in threadgroup memory first (loop "staged")
-    **{f"matvec_{loop}{act}_{v}": ("matvec_stream", ["prologue", xs, v, f"loop_{head}", f"{v}_rows", "epilogue"],
-                                   ["w", *inputs], ["y"])
-       for loop, head in (("stream", "direct"), ("staged", "staged"))
+    # streaming one-token matvecs: matvec_<loop>[_silu]_<format>: x in registers and the rows
+    # loaded straight from device memory ("stream") or staged in threadgroup memory first
+    # ("staged"); or x in threadgroup memory and the rows straight from device memory ("sharedx")
+    **{f"matvec_{loop}{act}_{v}": ("matvec_stream", ["prologue", xs, v, f"x_{keep}", f"{v}_sums", f"loop_{head}",
+                                                    f"{v}_rows", "epilogue"], ["w", *inputs], ["y"])
+       for loop, keep, head in (("stream", "registers", "direct"), ("staged", "registers", "staged"),
+                                ("sharedx", "shared", "direct"))
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
        for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
@@ -153,6 +155,7 @@ def stream_groups(threads: int) -> int:
 
 
 STAGED_MAX_ROWS = {QT.Q4_K: 4, QT.Q6_K: 2}  # R of the staged loop: ptxas keeps these within 128 registers (sm_90a)
+SHAREDX_REGISTERS = 64              # the x-in-threadgroup-memory matvecs at R = RF = 2 (ptxas, sm_90a: 58 / 64)
 STAGED_SHARED_PER_SM = 220 * 1024   # of a Hopper SM's 228 KB of shared memory (static arrays, 1 KB a block for the driver)
 METAL_STAGE_BYTES = 28 * 1024        # Metal: at most 32 KB of threadgroup memory, declared with the body
 
@@ -167,13 +170,17 @@ class StreamPlan(NamedTuple):
     shared_bytes: int  # dynamic threadgroup memory (CUDA, staged loop)
 
 
+MATVEC_LOOPS = ("stream", "staged", "sharedx", "simple")
+
+
 def matvec_loop() -> str:
-    """The one-token matvec loop: MUSE_MLX_MATVEC = stream (default: rows straight from device
-    memory), staged (rows staged in threadgroup memory; on the H200 no faster per kernel and
-    slower end to end, docs/kernels.md "Fourth session"), or simple (matvec.inc)."""
+    """The one-token matvec: MUSE_MLX_MATVEC = stream (default: x in registers, rows straight
+    from device memory), staged (rows staged in threadgroup memory; on the H200 no faster per
+    kernel and slower end to end, docs/kernels.md "Fourth session"), sharedx (x in threadgroup
+    memory, so more warps fit; not yet run on a GPU), or simple (matvec.inc)."""
     choice = os.environ.get("MUSE_MLX_MATVEC", "") or "stream"
-    if choice not in ("staged", "stream", "simple"):
-        raise ValueError(f"MUSE_MLX_MATVEC must be staged, stream or simple, not {choice!r}")
+    if choice not in MATVEC_LOOPS:
+        raise ValueError(f"MUSE_MLX_MATVEC must be one of {', '.join(MATVEC_LOOPS)}, not {choice!r}")
     return choice
 
 
@@ -192,9 +199,23 @@ def _stream_plan(qtype: QT, K: int, N: int, loop: str, which: str | None, groups
     fits (at most STAGED_MAX_ROWS). Metal: one stage of at most METAL_STAGE_BYTES (its copies are
     synchronous; unmeasured here). stream: STREAM_VARIANTS' R and RF."""
     tpg = stream_threads(K)
+    x_bytes = K * 4
+    if loop == "sharedx" and which == "metal" and x_bytes > METAL_STAGE_BYTES:
+        loop = "stream"   # x does not fit Metal's 32 KB of threadgroup memory: keep it in registers
     if loop == "stream":
         _, R, RF = STREAM_VARIANTS[qtype]
         return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(tpg)), 0)
+    if loop == "sharedx":
+        if which != "cuda":
+            per_sm = 1
+        else:   # threadgroups a multiprocessor holds: by registers, threads, and shared memory
+            per_sm = max(1, min(65536 // (SHAREDX_REGISTERS * tpg), 2048 // tpg, 32,
+                                (227 * 1024) // (x_bytes + 1024 + 256)))
+        # every threadgroup reads all of x first: leave each at least 16 rows (unmeasured choice)
+        groups = min(CUDA_MULTIPROCESSORS * per_sm, max(CUDA_MULTIPROCESSORS, N // 16)) if which == "cuda" else 64
+        if os.environ.get("MUSE_MLX_STREAM_GROUPS", ""):
+            groups = stream_groups(tpg)
+        return StreamPlan("sharedx", 2, 2, 1, min(-(-N // 2), groups), x_bytes if which == "cuda" else 0)
     row_bytes = K // 256 * QT_ROW_BYTES_PER_256[qtype]
     if which == "metal":
         stages, budget = 1, METAL_STAGE_BYTES

@@ -41,10 +41,15 @@ CASES = [
         ("NS", ns)])
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for k, r, ns in ((256, 1, 1), (4096, 2, 3), (6656, 4, 3),
                                                                    (19968, 4, 4), (32768, 2, 4))],
+    *[(f"matvec_sharedx_{v}", ["uint8", "float32"], ["float32"],
+       [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf), ("RB", k // 256 * rb),
+        ("NS", 1)])
+      for v, rb in (("q4_k", 144), ("q6_k", 210)) for k in (4096, 6656, 19968) for rf in (2, 4)],
     *[(f"matvec_{loop}_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
        [("K", 19968), ("N", 6656), ("TPG", 320), ("R", r), ("RF", 2), ("RB", 78 * rb), ("NS", ns),
         ("UP_OFF", 19968)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210)) for loop, r, ns in (("stream", 8, 1), ("staged", 2, 4))],
+      for v, rb in (("q4_k", 144), ("q6_k", 210))
+      for loop, r, ns in (("stream", 8, 1), ("staged", 2, 4), ("sharedx", 8, 1))],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 128)]),
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],

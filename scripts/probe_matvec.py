@@ -201,9 +201,10 @@ def section_dispatch(res):
 
 
 def section_loops(res):
-    """The two one-token loops of matvec_stream.inc through kernels.matvec (each with its own
-    plan, kernels.stream_plan): rows straight from device memory ("stream") against rows staged
-    in threadgroup memory ("staged"), per layer shape, then a whole token's projections."""
+    """The one-token matvec variants of matvec_stream.inc through kernels.matvec (each with its
+    own plan, kernels.stream_plan): rows straight from device memory ("stream"), rows staged in
+    threadgroup memory ("staged"), x in threadgroup memory ("sharedx"), per layer shape, then a
+    whole token's projections."""
     from gguf import GGMLQuantizationType as QT
 
     qt = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}
@@ -213,11 +214,11 @@ def section_loops(res):
         w = device_bytes(N, K // 256 * bb, seed=3)
         x = mx.random.normal((1, K))
         reps = max(4, min(40, int(2e9 // w.nbytes)))
-        for loop in ("stream", "staged"):
+        for loop in ("stream", "staged", "sharedx"):
             os.environ["MUSE_MLX_MATVEC"] = loop
             t = timed(lambda w=w, q=qt[variant], x=x, n=reps: [kernels.matvec(w, q, x) for _ in range(n)], reps=5)
             per_shape[f"{name}|{loop}"] = stats([reps * w.nbytes / s / 1e9 for s in t])
-        print(name, {lp: round(per_shape[f"{name}|{lp}"]["mean"]) for lp in ("stream", "staged")}, "GB/s",
+        print(name, {lp: round(per_shape[f"{name}|{lp}"]["mean"]) for lp in ("stream", "staged", "sharedx")}, "GB/s",
               flush=True)
         del w
     res["loops_GBps"] = per_shape
@@ -228,7 +229,7 @@ def section_loops(res):
     mx.eval(list(xs.values()))
     total = sum(w.nbytes for w in ws)
     token = {"weight_bytes": total, "launches": len(shapes)}
-    for loop in ("stream", "staged", "stream", "staged"):   # interleaved twice
+    for loop in ("stream", "staged", "sharedx") * 2:   # interleaved twice
         os.environ["MUSE_MLX_MATVEC"] = loop
         t = timed(lambda ws=ws: [kernels.matvec(w, qt[v], xs[K]) for w, (K, N, b, v) in zip(ws, shapes)],
                   reps=5, warmup=2)

@@ -39,11 +39,11 @@ def err_over_terms(out, ref, scale) -> float:
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("loop", ["stream", "staged"])
+@pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
 @pytest.mark.parametrize("n, k", [(37, 768), (1, 256), (9, 2304)])
 def test_streaming_matvec(metal, qtype, loop, n, k):
-    """One-token product, both loops (staged: Metal's single synchronous stage); 2,304 = 9
-    blocks, so Q6_K rows start off 4- and 16-byte boundaries."""
+    """One-token product, every loop (staged: Metal's single synchronous stage; sharedx: x in
+    threadgroup memory); 2,304 = 9 blocks, so Q6_K rows start off 4- and 16-byte boundaries."""
     metal.setenv("MUSE_MLX_MATVEC", loop)
     rng = np.random.default_rng([n, k, int(qtype), len(loop)])
     w = random_blocks(n, k, qtype, rng)
@@ -55,7 +55,7 @@ def test_streaming_matvec(metal, qtype, loop, n, k):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("loop", ["stream", "staged"])
+@pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
 def test_streaming_matvec_silu(metal, qtype, loop):
     metal.setenv("MUSE_MLX_MATVEC", loop)
     n, k = 21, 1024

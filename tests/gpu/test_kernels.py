@@ -160,7 +160,7 @@ def test_matvec(qtype, shape, batch):
 @pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (9, 32768), (9, 33024)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("groups", ["default", "3"])
-@pytest.mark.parametrize("loop", ["staged", "stream"])
+@pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
 def test_matvec_stream_other_shapes(qtype, shape, groups, loop, monkeypatch):
     """Row counts that leave a row group partly empty, an odd number of blocks per row (Q6_K
     blocks at 2-byte alignment; staged rows that start off a 16-byte boundary), the widest
@@ -176,7 +176,7 @@ def test_matvec_stream_other_shapes(qtype, shape, groups, loop, monkeypatch):
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [(6656, 19968), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("loop", ["staged", "stream"])
+@pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
 def test_matvec_silu(qtype, shape, loop, monkeypatch):
     """The FFN down product with silu(gate) * up made inside the kernel."""
     monkeypatch.setenv("MUSE_MLX_MATVEC", loop)
