@@ -32,6 +32,15 @@ ROWS_PER_GROUP = 4       # simdgroups (output rows) per threadgroup in the matve
 RING_CHUNK, PLANE_CHUNK = 32, 128   # attention rows per split for rings / planes
 COMBINE_WARPS = 4                    # simdgroups merging one query head's splits
 
+
+def attention_prefetch_rows() -> int:
+    """Rows of K/V the attention partial loads together (MUSE_MLX_ATTN_ROWS, default 1: one
+    row at a time, as measured through the fourth session; 8 is ready to measure)."""
+    value = os.environ.get("MUSE_MLX_ATTN_ROWS", "") or "1"
+    if not value.isdigit() or not 1 <= int(value) <= 32:
+        raise ValueError(f"MUSE_MLX_ATTN_ROWS must be an integer 1..32, not {value!r}")
+    return int(value)
+
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
 
@@ -322,7 +331,8 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
     nw = _warps_for(group)
     nsplit = max(1, -(-n_valid // chunk))
     params = attention_params(n_valid, chunk) if params is None else params
-    template = [("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)]
+    template = [("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk),
+                ("PF", attention_prefetch_rows())]
     part_o, part_ml = kernel("attention_partial")(
         inputs=[q, keys, values, params], template=template,
         grid=(nsplit * nw * 32, n_kv, 1), threadgroup=(nw * 32, 1, 1),

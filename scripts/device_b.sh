@@ -29,6 +29,6 @@ for r in rows:
 PY
 timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --no-matvecs \
   --receipt "$OUT/bench-ours-after-llama.json" 2>&1 | tee "$OUT/bench-2.log"
-timeout 150 python3 scripts/probe_matvec.py --parts dispatch,loops --receipt "$OUT/probe-dispatch.json" 2>&1
+timeout 220 python3 scripts/probe_matvec.py --parts dispatch,loops,attention --receipt "$OUT/probe-dispatch.json" 2>&1
 python3 -m muse_mlx.bench --combine "$OUT/bench-ours-after-llama.json" "$OUT/llama-bench.json" \
   --receipt "$OUT/bench-compare.json"

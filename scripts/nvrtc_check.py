@@ -50,10 +50,10 @@ CASES = [
         ("UP_OFF", 19968)])
       for v, rb in (("q4_k", 144), ("q6_k", 210))
       for loop, r, ns in (("stream", 8, 1), ("staged", 2, 4), ("sharedx", 8, 1))],
+    *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
+       [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 128), ("PF", pf)]) for pf in (1, 8)],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
-     [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 128)]),
-    ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
-     [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64)]),
+     [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64), ("PF", 8)]),
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4)]),
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 48), ("CW", 4)]),
     ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"],

@@ -7,8 +7,10 @@ Questions, each answered by a timed contrast (wall time around mx.eval, which wa
   2. (stream) the streaming one-token matvecs: a float64 check, then a sweep of rows per
      step, rows loaded together and grid size at every layer shape, and a whole token;
      (dispatch) a whole token through kernels.matvec with the engine's defaults, against a
-     read-only pass over the same matrices; (loops) the streaming kernel's two loops, rows
-     from device memory against rows staged in threadgroup memory, per shape and per token.
+     read-only pass over the same matrices; (loops) the streaming kernel's variants (rows
+     from device memory or staged in threadgroup memory, x in registers or in threadgroup
+     memory), per shape and per token; (attention) the decode attention with K/V rows loaded
+     one at a time against eight together, at a full ring and at plane depths.
   3. launch cost: a chain of tiny custom kernels and of tiny MLX ops, graph build and eval
      timed apart; (kv_write) a token's K/V row writes with a Python row, with an array row
      (what a compiled decode step needs) and compiled.
@@ -245,6 +247,37 @@ def section_loops(res):
     mx.clear_cache()
 
 
+def section_attention(res):
+    """The decode attention (partial + combine) at a full 2,048-row ring and at plane depths,
+    with K/V rows loaded one at a time and eight together (MUSE_MLX_ATTN_ROWS), interleaved;
+    a chain of 39 (ring) or 13 (plane) launches as in one token, random f16 rows."""
+    before = os.environ.get("MUSE_MLX_ATTN_ROWS")
+    n_head, n_kv, hd = 32, 2, 128
+    q = mx.random.normal((n_head, hd))
+    out = {}
+    for kind, cap, n_valid, layers in (("ring", 2048, 2048, 39), ("plane", 32768, 32768, 13),
+                                       ("plane", 131072, 131072, 13)):
+        keys = (0.5 * mx.random.normal((n_kv, cap, hd))).astype(mx.float16)
+        values = mx.random.normal((n_kv, cap, hd)).astype(mx.float16)
+        mx.eval(q, keys, values)
+        chunk = kernels.RING_CHUNK if kind == "ring" else kernels.PLANE_CHUNK
+        for rows in ("1", "8", "1", "8"):
+            os.environ["MUSE_MLX_ATTN_ROWS"] = rows
+            t = timed(lambda k=keys, v=values, n=n_valid, c=chunk, m=layers:
+                      [kernels.decode_attention(q, k, v, n, c) for _ in range(m)], reps=5)
+            out.setdefault(f"{kind}{n_valid}|rows{rows}_us_per_layer", []).append(
+                stats([s * 1e6 / layers for s in t]))
+        print(kind, n_valid, {k.split("|")[1]: [round(c["mean"], 1) for c in v] for k, v in out.items()
+                              if k.startswith(f"{kind}{n_valid}|")}, flush=True)
+        del keys, values
+        mx.clear_cache()
+    res["attention"] = out
+    if before is None:
+        os.environ.pop("MUSE_MLX_ATTN_ROWS", None)
+    else:
+        os.environ["MUSE_MLX_ATTN_ROWS"] = before
+
+
 def section_kv_write(res):
     """One decode token's K/V row writes (26 arrays of a 32,898-row f16 plane, as at depth 32,768)
     three ways: a slice assignment with a Python row (MLX's SliceUpdate), mx.slice_update with
@@ -414,6 +447,8 @@ def main():
         section_dispatch(res)
     if "loops" in parts:
         section_loops(res)
+    if "attention" in parts:
+        section_attention(res)
     if "residency" in parts:
         section_residency(res, a.host)
     if "launch" in parts:

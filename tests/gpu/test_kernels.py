@@ -217,7 +217,10 @@ def attention_ref(q, keys, values, n_valid):
     ("ring-before-wrap", 2048, 1), ("ring-before-wrap", 2048, 700), ("ring-full", 2048, 2048),
     ("plane", 131072, 5), ("plane", 131072, 32768), ("plane", 131072, 100_003), ("plane", 131072, 131072),
 ])
-def test_decode_attention(kind, cap, n_valid):
+@pytest.mark.parametrize("rows", ["1", "8"])
+def test_decode_attention(kind, cap, n_valid, rows, monkeypatch):
+    """Rows of K/V loaded one at a time or eight together (MUSE_MLX_ATTN_ROWS)."""
+    monkeypatch.setenv("MUSE_MLX_ATTN_ROWS", rows)
     rng = np.random.default_rng([SEED, cap, n_valid])
     n_head, n_kv, hd = 32, 2, 128
     q = mx.array(rng.standard_normal((n_head, hd)).astype(np.float32))
@@ -228,7 +231,7 @@ def test_decode_attention(kind, cap, n_valid):
     ref = attention_ref(q, keys, values, n_valid)
     err = rel_err(out.astype(np.float64), ref)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("decode_attention", kind=kind, cap=cap, n_valid=n_valid, rel_err=err, **{"pass": ok})
+    record("decode_attention", kind=kind, cap=cap, n_valid=n_valid, rows=rows, rel_err=err, **{"pass": ok})
     assert ok, (err, int(np.isnan(out).sum()), out[0, :4], ref[0, :4])
 
 
