@@ -57,3 +57,36 @@ def test_stream_threads_hold_one_unit_each():
     assert kernels.stream_threads(256) == 32          # the fixtures: 4 units, one simdgroup
     assert kernels.stream_threads(32768) == 512
     assert kernels.stream_threads(33024) is None      # 516 units: matvec.inc takes it
+
+
+@pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
+@pytest.mark.parametrize("which", ["cuda", "metal"])
+def test_stream_plans_fit_the_hardware(loop, which, monkeypatch):
+    """Every streaming-matvec plan at the pinned shapes (and the widest K) stays within what a
+    launch can have: on CUDA, the planned threadgroups per multiprocessor fit its 228 KB of
+    shared memory and 2,048 threads, and no dynamic shared memory past 227 KB a threadgroup;
+    on Metal, nothing dynamic and the staged rows / shared x within 32 KB; R a multiple of RF."""
+    from gguf import GGMLQuantizationType as QT
+
+    monkeypatch.setenv("MUSE_MLX_MATVEC", loop)
+    monkeypatch.setattr(kernels, "backend", lambda: which)
+    shapes = [(QT.Q4_K, 6656, 8448), (QT.Q4_K, 4096, 6656), (QT.Q4_K, 6656, 39936), (QT.Q4_K, 19968, 6656),
+              (QT.Q6_K, 19968, 6656), (QT.Q6_K, 6656, 256), (QT.Q6_K, 6656, 202048), (QT.Q4_K, 32768, 9),
+              (QT.Q6_K, 32768, 9), (QT.Q4_K, 256, 37)]
+    for qtype, K, N in shapes:
+        plan = kernels.stream_plan(qtype, K, N)
+        tpg = kernels.stream_threads(K)
+        assert plan.rows % plan.rows_loaded == 0 and 1 <= plan.groups <= -(-N // plan.rows)
+        row_bytes = K // 256 * kernels.QT_ROW_BYTES_PER_256[qtype]
+        if which == "metal":
+            assert plan.shared_bytes == 0
+            if plan.loop == "staged":
+                assert plan.stages == 1 and plan.rows * row_bytes + 32 <= 32 * 1024
+            if plan.loop == "sharedx":
+                assert K * 4 <= 32 * 1024
+            continue
+        assert plan.shared_bytes <= 227 * 1024
+        resident = min(plan.groups, kernels.CUDA_MULTIPROCESSORS * max(1, 2048 // tpg))
+        per_sm = -(-resident // kernels.CUDA_MULTIPROCESSORS)
+        assert per_sm * tpg <= 2048
+        assert per_sm * (plan.shared_bytes + 1024) <= 228 * 1024 or plan.loop == "stream"
