@@ -22,6 +22,7 @@ mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama
 # GPU_TESTS: the test ids to run (default: all of tests/gpu)
 MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -rf \
   --tb=line > "$OUT/gpu-tests.log" 2>&1
+cp "$OUT/gpu-tests.log" /tmp/gpu-tests.log   # device_b reads it
 grep -E "PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | awk '{print $2}' | sort | uniq -c; grep -E "^FAILED|Error" "$OUT/gpu-tests.log" | head -12
 
 python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"

@@ -29,6 +29,16 @@ for r in rows:
 PY
 timeout 200 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --no-matvecs \
   --receipt "$OUT/bench-ours-after-llama.json" 2>&1 | tee "$OUT/bench-2.log"
-timeout 220 python3 scripts/probe_matvec.py --parts dispatch,loops,attention --receipt "$OUT/probe-dispatch.json" 2>&1
 python3 -m muse_mlx.bench --combine "$OUT/bench-ours-after-llama.json" "$OUT/llama-bench.json" \
   --receipt "$OUT/bench-compare.json"
+# CANDIDATE: settings to time end to end against the defaults above (decode only), when
+# device_a's GPU checks of them ran and passed (its log is kept in /tmp/gpu-tests.log).
+CANDIDATE=${CANDIDATE:-"MUSE_MLX_MATVEC=sharedx MUSE_MLX_ATTN_ROWS=8"}
+if grep -qE "sharedx.*PASSED" /tmp/gpu-tests.log 2>/dev/null && grep -qE "test_decode_attention\[8-.*PASSED" /tmp/gpu-tests.log \
+   && ! grep -qE "FAILED|ERROR" /tmp/gpu-tests.log; then
+  env $CANDIDATE timeout 150 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic --no-matvecs --prefill "" \
+    --receipt "$OUT/bench-candidate.json" 2>&1 | tee "$OUT/bench-candidate.log"
+else
+  echo "candidate not benchmarked: device_a's GPU checks did not all pass (or did not run)"
+fi
+timeout 220 python3 scripts/probe_matvec.py --parts dispatch,loops,attention --receipt "$OUT/probe-dispatch.json" 2>&1

@@ -175,6 +175,16 @@ def test_matvec_stream_other_shapes(qtype, shape, groups, loop, monkeypatch):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [4096, 6656, 19968])
+@pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
+def test_matvec_loops_at_pinned_row_lengths(qtype, k, loop, monkeypatch):
+    """Every one-token variant at the pinned row lengths (their thread counts, idle threads
+    past the units, shared-memory sizes), 100 rows: quick enough to run before a benchmark."""
+    monkeypatch.setenv("MUSE_MLX_MATVEC", loop)
+    check_matvec(f"matvec_{loop}", qtype, 100, k, 1, np.random.default_rng([SEED, k, int(qtype), len(loop), 3]))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [(6656, 19968), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
 def test_matvec_silu(qtype, shape, loop, monkeypatch):
