@@ -4,7 +4,8 @@ No Mac exists here, so the Metal text of custom_kernels/ (dialect_metal.h + bloc
 indices_metal.h + the body sections, exactly as kernels.render gives them to
 mx.fast.metal_kernel) is compiled with g++ behind a shim and executed:
 
-- every thread of a threadgroup is an OS thread; threadgroups run one after another;
+- every thread of a threadgroup is an OS thread; threadgroups run one after another on the
+  same threads;
 - `threadgroup_barrier` is a barrier over the threadgroup's threads, and the SIMD-group
   functions (`simd_sum`, `simd_max`, `simd_shuffle_xor`) exchange values through a barrier
   over the 32 lanes of the simdgroup (the sum is taken in lane order, not as a butterfly);
@@ -106,20 +107,25 @@ int main(int argc, char** argv) {
   const uint32_t gx = std::atoi(argv[2]), gy = std::atoi(argv[3]), tx = std::atoi(argv[4]);
   std::vector<std::vector<char>> bufs;
   for (int i = 0; i < N_BUFFERS; ++i) { char p[4096]; std::snprintf(p, sizeof p, "%s/b%d", dir, i); bufs.push_back(read_file(p)); }
-  for (uint32_t y = 0; y < gy; ++y) for (uint32_t x = 0; x < gx; ++x) {
-    std::barrier<> group(tx);
-    std::vector<EmuWarp> warps((tx + 31) / 32);
-    std::vector<emu_thread> threads;
-    for (uint32_t t = 0; t < tx; ++t) threads.emplace_back([&, t] {
-      thread_position_in_threadgroup = {t, 0, 0};
+  // One OS thread per thread of a threadgroup, made once; the threadgroups run one after
+  // another (a barrier before and after each), so `static` threadgroup arrays are never shared
+  // by two threadgroups at once.
+  std::barrier<> group(tx);
+  std::vector<EmuWarp> warps((tx + 31) / 32);
+  std::vector<emu_thread> threads;
+  for (uint32_t t = 0; t < tx; ++t) threads.emplace_back([&, t] {
+    thread_position_in_threadgroup = {t, 0, 0};
+    threadgroups_per_grid = {gx, gy, 1};
+    thread_index_in_simdgroup = t % 32; simdgroup_index_in_threadgroup = t / 32;
+    emu_warp = &warps[t / 32]; emu_group = &group;
+    for (uint32_t y = 0; y < gy; ++y) for (uint32_t x = 0; x < gx; ++x) {
       threadgroup_position_in_grid = {x, y, 0};
-      threadgroups_per_grid = {gx, gy, 1};
-      thread_index_in_simdgroup = t % 32; simdgroup_index_in_threadgroup = t / 32;
-      emu_warp = &warps[t / 32]; emu_group = &group;
+      group.arrive_and_wait();
       KERNEL_CALL;
-    });
-    for (auto& th : threads) th.join();
-  }
+      group.arrive_and_wait();
+    }
+  });
+  for (auto& th : threads) th.join();
   for (int i = N_INPUTS; i < N_BUFFERS; ++i) {
     char p[4096]; std::snprintf(p, sizeof p, "%s/b%d", dir, i);
     FILE* f = std::fopen(p, "wb"); std::fwrite(bufs[i].data(), 1, bufs[i].size(), f); std::fclose(f);
