@@ -111,3 +111,17 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64)
     z = z - z.max(axis=-1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def attention_ref(q, keys, values, n_valid):
+    """One query token's GQA attention in float64 over rows 0..n_valid-1 of (n_kv, CAP, HD)
+    K/V: the oracle of the decode-attention kernel (query head h reads KV head h // group)."""
+    q, k, v = (np.asarray(a).astype(np.float64) for a in (q, keys, values))
+    n_head, hd = q.shape
+    group = n_head // k.shape[0]
+    out = np.empty_like(q)
+    for h in range(n_head):
+        s = k[h // group, :n_valid] @ q[h] / np.sqrt(hd)
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v[h // group, :n_valid]
+    return out

@@ -19,6 +19,7 @@ from muse_mlx import kernels
 from muse_mlx.fixtures import random_blocks
 
 from metal_emulator import CXX, emulate
+from reference import attention_ref
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 NAN = float("nan")
@@ -87,18 +88,6 @@ def test_batched_matvec(metal, qtype):
         W = dense(w, qtype, n, k)
     assert np.isfinite(out).all()
     assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
-
-
-def attention_ref(q, keys, values, n_valid):
-    q, k, v = (np.asarray(a, np.float64) for a in (q, keys, values))
-    n_head, hd = q.shape
-    group = n_head // k.shape[0]
-    out = np.empty_like(q)
-    for h in range(n_head):
-        s = k[h // group, :n_valid] @ q[h] / np.sqrt(hd)
-        p = np.exp(s - s.max())
-        out[h] = (p / p.sum()) @ v[h // group, :n_valid]
-    return out
 
 
 @pytest.mark.parametrize("n_head, n_kv, hd, cap, n_valid, chunk", [

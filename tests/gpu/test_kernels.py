@@ -18,6 +18,7 @@ from muse_mlx import kernels
 from muse_mlx.fixtures import DEFAULT_GEOMETRY, kquant_mix, random_blocks, write_fixture, write_random_blocks
 from muse_mlx.model import load
 from muse_mlx.quant import dequantize
+from reference import attention_ref
 
 pytestmark = pytest.mark.skipif(kernels.backend() is None, reason="no Metal or CUDA device")
 
@@ -209,18 +210,6 @@ def test_matvec_silu(qtype, shape, loop, monkeypatch):
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_matvec_float(qtype):
     check_matvec("matvec", qtype, 4096, 6656, 2, np.random.default_rng([SEED, int(qtype)]))
-
-
-def attention_ref(q, keys, values, n_valid):
-    q, k, v = (np.array(a).astype(np.float64) for a in (q, keys, values))
-    n_head, hd = q.shape
-    group = n_head // k.shape[0]
-    out = np.empty_like(q)
-    for h in range(n_head):
-        s = k[h // group, :n_valid] @ q[h] / np.sqrt(hd)
-        p = np.exp(s - s.max())
-        out[h] = (p / p.sum()) @ v[h // group, :n_valid]
-    return out
 
 
 @pytest.mark.parametrize("kind, cap, n_valid", [
