@@ -171,12 +171,12 @@ METAL_STAGE_BYTES = 28 * 1024        # Metal: at most 32 KB of threadgroup memor
 
 class StreamPlan(NamedTuple):
     """How one streaming matvec launch walks its rows (matvec_stream.inc)."""
-    loop: str          # "staged" (rows staged in threadgroup memory) or "stream" (straight from device memory)
+    loop: str          # "stream", "staged" or "sharedx" (matvec_loop); the kernel is matvec_<loop>_...
     rows: int          # R: rows per step (one threadgroup barrier each)
     rows_loaded: int   # RF: rows whose pieces are loaded together
-    stages: int        # NS: row groups staged at once (staged loop)
+    stages: int        # NS: row groups staged at once (staged)
     groups: int        # threadgroups in the grid
-    shared_bytes: int  # dynamic threadgroup memory (CUDA, staged loop)
+    shared_bytes: int  # dynamic threadgroup memory (CUDA: staged rows or shared x)
 
 
 MATVEC_LOOPS = ("stream", "staged", "sharedx", "simple")
@@ -201,30 +201,36 @@ def stream_plan(qtype: QT, K: int, N: int) -> StreamPlan:
 
 @lru_cache(maxsize=None)
 def _stream_plan(qtype: QT, K: int, N: int, loop: str, which: str | None, groups_env: str) -> StreamPlan:
-    """stream_plan for one loop, backend and MUSE_MLX_STREAM_GROUPS value.
+    """stream_plan for one loop, backend and MUSE_MLX_STREAM_GROUPS value (the cache key)."""
+    if loop == "sharedx" and (which == "cuda" or K * 4 <= METAL_STAGE_BYTES):
+        return _plan_sharedx(K, N, which)
+    if loop == "staged":
+        return _plan_staged(qtype, K, N, which)
+    _, R, RF = STREAM_VARIANTS[qtype]   # stream (and sharedx where x does not fit Metal's 32 KB)
+    return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(stream_threads(K))), 0)
 
-    staged: R rows a stage, NS stages, as many threadgroups per multiprocessor as registers
-    allow (stream_groups); the stages share the multiprocessor's shared memory, R as large as
-    fits (at most STAGED_MAX_ROWS). Metal: one stage of at most METAL_STAGE_BYTES (its copies are
-    synchronous; unmeasured here). stream: STREAM_VARIANTS' R and RF."""
+
+def _plan_sharedx(K: int, N: int, which: str | None) -> StreamPlan:
+    """x in threadgroup memory (K * 4 bytes), R = RF = 2. On CUDA as many threadgroups per
+    multiprocessor as its registers (SHAREDX_REGISTERS a thread), threads and shared memory
+    hold, but at most one per 16 rows, since each first reads all of x (an unmeasured choice)."""
     tpg = stream_threads(K)
-    x_bytes = K * 4
-    if loop == "sharedx" and which == "metal" and x_bytes > METAL_STAGE_BYTES:
-        loop = "stream"   # x does not fit Metal's 32 KB of threadgroup memory: keep it in registers
-    if loop == "stream":
-        _, R, RF = STREAM_VARIANTS[qtype]
-        return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(tpg)), 0)
-    if loop == "sharedx":
-        if which != "cuda":
-            per_sm = 1
-        else:   # threadgroups a multiprocessor holds: by registers, threads, and shared memory
-            per_sm = max(1, min(65536 // (SHAREDX_REGISTERS * tpg), 2048 // tpg, 32,
-                                (227 * 1024) // (x_bytes + 1024 + 256)))
-        # every threadgroup reads all of x first: leave each at least 16 rows (unmeasured choice)
-        groups = min(CUDA_MULTIPROCESSORS * per_sm, max(CUDA_MULTIPROCESSORS, N // 16)) if which == "cuda" else 64
-        if os.environ.get("MUSE_MLX_STREAM_GROUPS", ""):
-            groups = stream_groups(tpg)
-        return StreamPlan("sharedx", 2, 2, 1, min(-(-N // 2), groups), x_bytes if which == "cuda" else 0)
+    if os.environ.get("MUSE_MLX_STREAM_GROUPS", ""):
+        groups = stream_groups(tpg)
+    elif which == "cuda":
+        per_sm = max(1, min(65536 // (SHAREDX_REGISTERS * tpg), 2048 // tpg, 32, (227 * 1024) // (K * 4 + 1280)))
+        groups = min(CUDA_MULTIPROCESSORS * per_sm, max(CUDA_MULTIPROCESSORS, N // 16))
+    else:
+        groups = 64
+    return StreamPlan("sharedx", 2, 2, 1, min(-(-N // 2), groups), K * 4 if which == "cuda" else 0)
+
+
+def _plan_staged(qtype: QT, K: int, N: int, which: str | None) -> StreamPlan:
+    """Rows staged in threadgroup memory: R rows a stage (at most STAGED_MAX_ROWS), NS stages,
+    as many threadgroups per multiprocessor as registers allow (stream_groups), the stages
+    sharing its shared memory. Metal: one stage of at most METAL_STAGE_BYTES (its copies are
+    synchronous; unmeasured here)."""
+    tpg = stream_threads(K)
     row_bytes = K // 256 * QT_ROW_BYTES_PER_256[qtype]
     if which == "metal":
         stages, budget = 1, METAL_STAGE_BYTES
