@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
 from typing import NamedTuple
@@ -35,7 +36,7 @@ COMBINE_WARPS = 4                    # simdgroups merging one query head's split
 
 def attention_prefetch_rows() -> int:
     """Rows of K/V the attention partial loads together (MUSE_MLX_ATTN_ROWS, default 1: one
-    row at a time, as measured through the fourth session; 8 is ready to measure)."""
+    row at a time; 8 measured no faster on the H200 in the fifth session, docs/kernels.md)."""
     value = os.environ.get("MUSE_MLX_ATTN_ROWS", "") or "1"
     if not value.isdigit() or not 1 <= int(value) <= 32:
         raise ValueError(f"MUSE_MLX_ATTN_ROWS must be an integer 1..32, not {value!r}")
@@ -60,6 +61,40 @@ def _device_backend() -> str | None:
     if mx.cuda.is_available():
         return "cuda"
     return None
+
+
+class Settings(NamedTuple):
+    """The kernel path's knobs, as read from the environment (MUSE_MLX_*)."""
+    backend: str | None   # backend()
+    matvec: str           # matvec_loop()
+    stream_groups: str    # MUSE_MLX_STREAM_GROUPS, "" = the plan's own
+    attn_rows: int        # attention_prefetch_rows()
+
+
+_frozen: Settings | None = None
+
+
+def settings() -> Settings:
+    """The knobs now: read from the environment on each call, except inside `frozen_settings()`.
+
+    A decode token launches ~700 kernels; reading four environment variables for each cost
+    ~20 % of the host's Python time (a CPU profile of the step, docs/kernels.md "Fifth session")."""
+    if _frozen is not None:
+        return _frozen
+    return Settings(backend(), matvec_loop(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""),
+                    attention_prefetch_rows())
+
+
+@contextmanager
+def frozen_settings():
+    """Read the knobs once for the launches made inside (Model.decode_one: one token)."""
+    global _frozen
+    outer = _frozen
+    _frozen = settings()
+    try:
+        yield _frozen
+    finally:
+        _frozen = outer
 
 
 def _read(name: str) -> str:
@@ -150,17 +185,24 @@ def stream_threads(K: int) -> int | None:
     return t if t <= STREAM_MAX_THREADS else None
 
 
-def stream_groups(threads: int) -> int:
+def stream_groups(threads: int, which: str | None = None, groups_env: str | None = None) -> int:
     """Threadgroups of a streaming matvec (MUSE_MLX_STREAM_GROUPS overrides).
 
     On CUDA as many as fit on each multiprocessor at once by registers (~128 a thread: 512
     threads), so that enough warps have loads in flight; Apple GPUs: 64 (unmeasured here)."""
-    env = os.environ.get("MUSE_MLX_STREAM_GROUPS", "")
+    s = settings()
+    env = s.stream_groups if groups_env is None else groups_env
     if env:
         return max(1, int(env))
-    if backend() != "cuda":
+    if (s.backend if which is None else which) != "cuda":
         return 64
     return CUDA_MULTIPROCESSORS * max(1, STREAM_MAX_THREADS // threads)
+
+
+def stream_cores(which: str | None) -> int:
+    """Row groups a streaming matvec should have at least, so that every multiprocessor gets one
+    (CUDA: the H200's 132; Metal: the 64 threadgroups its grid uses, unmeasured)."""
+    return CUDA_MULTIPROCESSORS if which == "cuda" else 64
 
 
 STAGED_MAX_ROWS = {QT.Q4_K: 4, QT.Q6_K: 2}  # R of the staged loop: ptxas keeps these within 128 registers (sm_90a)
@@ -186,7 +228,8 @@ def matvec_loop() -> str:
     """The one-token matvec: MUSE_MLX_MATVEC = stream (default: x in registers, rows straight
     from device memory), staged (rows staged in threadgroup memory; on the H200 no faster per
     kernel and slower end to end, docs/kernels.md "Fourth session"), sharedx (x in threadgroup
-    memory, so more warps fit; not yet run on a GPU), or simple (matvec.inc)."""
+    memory, so more warps fit; on the H200 faster on some shapes and slower on others, no
+    faster a token: "Fifth session"), or simple (matvec.inc)."""
     choice = os.environ.get("MUSE_MLX_MATVEC", "") or "stream"
     if choice not in MATVEC_LOOPS:
         raise ValueError(f"MUSE_MLX_MATVEC must be one of {', '.join(MATVEC_LOOPS)}, not {choice!r}")
@@ -196,27 +239,34 @@ def matvec_loop() -> str:
 def stream_plan(qtype: QT, K: int, N: int) -> StreamPlan:
     """The launch of a streaming matvec over N rows of length K (streams(qtype, K) must hold),
     worked out once per shape and setting (the decode step asks ~260 times a token)."""
-    return _stream_plan(qtype, K, N, matvec_loop(), backend(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""))
+    s = settings()
+    return _stream_plan(qtype, K, N, s.matvec, s.backend, s.stream_groups)
 
 
 @lru_cache(maxsize=None)
 def _stream_plan(qtype: QT, K: int, N: int, loop: str, which: str | None, groups_env: str) -> StreamPlan:
     """stream_plan for one loop, backend and MUSE_MLX_STREAM_GROUPS value (the cache key)."""
     if loop == "sharedx" and (which == "cuda" or K * 4 <= METAL_STAGE_BYTES):
-        return _plan_sharedx(K, N, which)
+        return _plan_sharedx(K, N, which, groups_env)
     if loop == "staged":
-        return _plan_staged(qtype, K, N, which)
+        return _plan_staged(qtype, K, N, which, groups_env)
     _, R, RF = STREAM_VARIANTS[qtype]   # stream (and sharedx where x does not fit Metal's 32 KB)
-    return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(stream_threads(K))), 0)
+    # A matrix with fewer row groups than multiprocessors (V: 256 rows, 32 groups of 8) would
+    # leave most of the GPU idle, each group working through its rows one after another:
+    # fewer rows per group instead, down to 2 (docs/kernels.md, "Fifth session").
+    while R > 2 and -(-N // R) < stream_cores(which):
+        R //= 2
+        RF = min(RF, R)
+    return StreamPlan("stream", R, RF, 1, min(-(-N // R), stream_groups(stream_threads(K), which, groups_env)), 0)
 
 
-def _plan_sharedx(K: int, N: int, which: str | None) -> StreamPlan:
+def _plan_sharedx(K: int, N: int, which: str | None, groups_env: str) -> StreamPlan:
     """x in threadgroup memory (K * 4 bytes), R = RF = 2. On CUDA as many threadgroups per
     multiprocessor as its registers (SHAREDX_REGISTERS a thread), threads and shared memory
     hold, but at most one per 16 rows, since each first reads all of x (an unmeasured choice)."""
     tpg = stream_threads(K)
-    if os.environ.get("MUSE_MLX_STREAM_GROUPS", ""):
-        groups = stream_groups(tpg)
+    if groups_env:
+        groups = stream_groups(tpg, which, groups_env)
     elif which == "cuda":
         per_sm = max(1, min(65536 // (SHAREDX_REGISTERS * tpg), 2048 // tpg, 32, (227 * 1024) // (K * 4 + 1280)))
         groups = min(CUDA_MULTIPROCESSORS * per_sm, max(CUDA_MULTIPROCESSORS, N // 16))
@@ -225,7 +275,7 @@ def _plan_sharedx(K: int, N: int, which: str | None) -> StreamPlan:
     return StreamPlan("sharedx", 2, 2, 1, min(-(-N // 2), groups), K * 4 if which == "cuda" else 0)
 
 
-def _plan_staged(qtype: QT, K: int, N: int, which: str | None) -> StreamPlan:
+def _plan_staged(qtype: QT, K: int, N: int, which: str | None, groups_env: str) -> StreamPlan:
     """Rows staged in threadgroup memory: R rows a stage (at most STAGED_MAX_ROWS), NS stages,
     as many threadgroups per multiprocessor as registers allow (stream_groups), the stages
     sharing its shared memory. Metal: one stage of at most METAL_STAGE_BYTES (its copies are
@@ -243,7 +293,7 @@ def _plan_staged(qtype: QT, K: int, N: int, which: str | None) -> StreamPlan:
     while stages > 1 and stages * (R * row_bytes + 32) > budget:
         stages -= 1
     stage_bytes = (R * row_bytes + 31) // 16 * 16
-    return StreamPlan("staged", R, RF, stages, min(-(-N // R), stream_groups(tpg)),
+    return StreamPlan("staged", R, RF, stages, min(-(-N // R), stream_groups(tpg, which, groups_env)),
                       stages * stage_bytes if which == "cuda" else 0)
 
 
@@ -252,7 +302,7 @@ def _stream_name(loop: str, variant: str, act: str = "") -> str:
 
 
 def stream_enabled() -> bool:
-    return matvec_loop() != "simple"
+    return settings().matvec != "simple"
 
 
 def supports(qtype: QT) -> bool:
@@ -298,16 +348,24 @@ def matvec_silu(w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset:
 def _stream_launch(w: mx.array, qtype: QT, K: int, act: str, x_inputs: list, extra: list,
                    init_value: float | None) -> mx.array:
     """One launch of a streaming matvec (matvec_stream.inc) over the raw rows w: (1, N) float32."""
-    N = w.shape[0]
+    s = settings()
+    name, shared_bytes, launch = _stream_launch_args(qtype, K, w.shape[0], act, tuple(extra), s)
+    return kernel(name, s.backend, shared_bytes)(inputs=[w, *x_inputs], init_value=init_value, **launch)[0]
+
+
+@lru_cache(maxsize=None)
+def _stream_launch_args(qtype: QT, K: int, N: int, act: str, extra: tuple, s: Settings) -> tuple[str, int, dict]:
+    """(kernel name, shared bytes, launch keywords) of a streaming matvec, worked out once per
+    shape and setting. The kernel object itself is looked up on each launch (tests swap
+    `kernel` for an emulator)."""
     variant = STREAM_VARIANTS[qtype][0]
     tpg = stream_threads(K)
-    plan = stream_plan(qtype, K, N)
+    plan = _stream_plan(qtype, K, N, s.matvec, s.backend, s.stream_groups)
     template = [("K", K), ("N", N), ("TPG", tpg), ("R", plan.rows), ("RF", plan.rows_loaded),
                 ("RB", K // 256 * QT_ROW_BYTES_PER_256[qtype]), ("NS", plan.stages), *extra]
-    return kernel(_stream_name(plan.loop, variant, act), None, plan.shared_bytes)(
-        inputs=[w, *x_inputs], template=template,
-        grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
-        output_dtypes=[mx.float32], init_value=init_value, stream=mx.gpu)[0]
+    return _stream_name(plan.loop, variant, act), plan.shared_bytes, dict(
+        template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
+        output_dtypes=[mx.float32], stream=mx.gpu)
 
 
 # ---- decode attention ----------------------------------------------------------------
@@ -331,27 +389,35 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
     (the attention output gate, model.output_gate) in the same launch. `params` may be passed in
     precomputed (attention_params(n_valid, chunk)): every layer of a kind shares it within a token.
     `out_shape` reshapes the result in the launch itself (default (n_head, HD))."""
-    n_head, hd = q.shape
-    n_kv, cap, _ = keys.shape
-    group = n_head // n_kv
-    nw = _warps_for(group)
+    s = settings()
     nsplit = max(1, -(-n_valid // chunk))
     params = attention_params(n_valid, chunk) if params is None else params
-    template = [("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk),
-                ("PF", attention_prefetch_rows())]
-    part_o, part_ml = kernel("attention_partial")(
-        inputs=[q, keys, values, params], template=template,
+    partial, combine = _attention_launch_args(q.shape, keys.shape, chunk, nsplit, gate is not None, gate_offset,
+                                              out_shape, s.attn_rows)
+    part_o, part_ml = kernel("attention_partial", s.backend)(inputs=[q, keys, values, params], **partial)
+    name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
+        ("attention_combine_gated", [part_o, part_ml, params, gate])
+    return kernel(name, s.backend)(inputs=inputs, init_value=init_value, **combine)[0]
+
+
+@lru_cache(maxsize=None)
+def _attention_launch_args(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: int, gated: bool, gate_offset: int,
+                           out_shape: tuple | None, rows: int) -> tuple[dict, dict]:
+    """The launch keywords of decode_attention's two kernels, worked out once per shape."""
+    n_head, hd = q_shape
+    n_kv, cap, _ = kv_shape
+    group = n_head // n_kv
+    nw = _warps_for(group)
+    partial = dict(
+        template=[("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk), ("PF", rows)],
         grid=(nsplit * nw * 32, n_kv, 1), threadgroup=(nw * 32, 1, 1),
         output_shapes=[(n_head * nsplit * hd,), (n_head * nsplit * 2,)],
         output_dtypes=[mx.float32, mx.float32], stream=mx.gpu)
-    name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
-        ("attention_combine_gated", [part_o, part_ml, params, gate])
-    return kernel(name)(
-        inputs=inputs,
-        template=[("HD", hd), ("CW", COMBINE_WARPS)] + ([("GATE_OFF", gate_offset)] if gate is not None else []),
+    combine = dict(
+        template=[("HD", hd), ("CW", COMBINE_WARPS)] + ([("GATE_OFF", gate_offset)] if gated else []),
         grid=(n_head * COMBINE_WARPS * 32, 1, 1), threadgroup=(COMBINE_WARPS * 32, 1, 1),
-        output_shapes=[out_shape or (n_head, hd)], output_dtypes=[mx.float32], init_value=init_value,
-        stream=mx.gpu)[0]
+        output_shapes=[out_shape or (n_head, hd)], output_dtypes=[mx.float32], stream=mx.gpu)
+    return partial, combine
 
 
 # ---- the steps between the products of one decode token (custom_kernels/decode_glue.inc) ----
@@ -366,7 +432,7 @@ def qk_post(q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.
     output as both). `rope` is cos then sin of the rope_half angles (model.rope_cos_sin), unused
     when rope_half is 0 (NoPE); `eps` a 1-element f32 array (the RMSNorm epsilon)."""
     tpg = -(-head_dim // 32) * 32
-    q_out, k_out, v_out = kernel("qk_post")(
+    q_out, k_out, v_out = kernel("qk_post", settings().backend)(
         inputs=[q, k, v, q_norm, k_norm, rope, eps],
         template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg),
                   ("Q_OFF", q_offset), ("K_OFF", k_offset)],
@@ -381,7 +447,7 @@ def residual_norm(x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, 
     """(x + rmsnorm(f, eps[0]) * w_post, then that rmsnorm'd with eps[1] times w_next); x, f (1, N) f32."""
     n = x.shape[-1]
     tpg = min(1024, -(-n // 32) * 32)
-    x_out, h = kernel("residual_norm")(
+    x_out, h = kernel("residual_norm", settings().backend)(
         inputs=[x, f, w_post, w_next, eps], template=[("N", n), ("TPG", tpg)],
         grid=(tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, n), (1, n)],
         output_dtypes=[mx.float32, mx.float32], init_value=init_value, stream=mx.gpu)

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 MODEL=$1 OUTDIR=$2 DEPTH=${3:-512}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
-METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum,\
+METRICS=${METRICS:-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,smsp__inst_executed.sum,\
 sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,\
 launch__registers_per_thread,launch__grid_size,launch__block_size,\
 smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,\
@@ -18,15 +18,17 @@ smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,\
 smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,\
-smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
+smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio}
+# METRICS=gpu__time_duration.sum: durations only, one pass a kernel (the whole token in ~1 min).
+# KERNELS: the kernels listed (default: ours, regex muse); DETAIL="": no detail passes.
 # Our kernels only (-k muse): ncu could not replay one of MLX's own (binary_g_nd) in the
 # embedding lookup, and hung there.
-timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k regex:muse --metrics "$METRICS" \
-  --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-token.csv" 2> "$OUTDIR/ncu-token.err"
-echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token.err"
-python3 scripts/ncu_summary.py "$OUTDIR/ncu-token.csv" | tee "$OUTDIR/ncu-token-summary.txt"
+timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
+  --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-token${TAG:-}.csv" 2> "$OUTDIR/ncu-token${TAG:-}.err"
+echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token${TAG:-}.err"
+python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
 # Full sections for the first kernels of the token matching each regex (name:count).
-for spec in ${DETAIL:-"matvec_stream|attention_partial:8" "silu_q4_k:1"}; do
+for spec in ${DETAIL-"matvec_stream|attention_partial:8" "silu_q4_k:1"}; do
   rx=${spec%:*} count=${spec##*:} tag=$(echo "${spec%:*}" | tr -c 'a-z0-9_\n' '-' | cut -c1-30)
   timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k "regex:$rx" \
     --launch-count "$count" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \

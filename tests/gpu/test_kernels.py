@@ -158,15 +158,16 @@ def test_matvec(qtype, shape, batch):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (9, 32768), (9, 33024)],
+@pytest.mark.parametrize("shape", [(1, 256), (37, 256), (100, 768), (256, 6656), (9, 32768), (9, 33024)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("groups", ["default", "3"])
 @pytest.mark.parametrize("loop", ["stream", "staged", "sharedx"])
 def test_matvec_stream_other_shapes(qtype, shape, groups, loop, monkeypatch):
     """Row counts that leave a row group partly empty, an odd number of blocks per row (Q6_K
     blocks at 2-byte alignment; staged rows that start off a 16-byte boundary), the widest
-    streaming K (32,768: 512 threads), a K past it (33,024: matvec.inc takes it), and a grid
-    smaller than the row groups (a staged threadgroup then refills each stage several times)."""
+    streaming K (32,768: 512 threads), a K past it (33,024: matvec.inc takes it), a grid
+    smaller than the row groups (a staged threadgroup then refills each stage several times),
+    and few rows (V's 256): the default plan then takes fewer rows per group (R = 4, 2)."""
     monkeypatch.setenv("MUSE_MLX_MATVEC", loop)
     if groups != "default":
         monkeypatch.setenv("MUSE_MLX_STREAM_GROUPS", groups)
