@@ -33,6 +33,7 @@ __device__ __forceinline__ float warp_max(float v) {
 #define RSQRTF(x) rsqrtf(x)
 #define FLOAT_TO_HALF(x) __float2half_rn(x)
 __device__ __forceinline__ float shuffle_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ float shuffle_idx(float v, int l) { return __shfl_sync(0xffffffffu, v, l); }
 // Staging rows in threadgroup memory (matvec_stream.inc, loop_staged): STAGE(T) qualifies a
 // pointer into it, STAGE_MEMORY declares it (sized at launch: MLX's `shared_memory`).
 // copy16_async copies 16 bytes (the first n of them from src, zeros after) with cp.async,

@@ -32,6 +32,7 @@ inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
 #define RSQRTF(x) metal::rsqrt(x)
 #define FLOAT_TO_HALF(x) half(x)
 inline float shuffle_xor(float v, int m) { return simd_shuffle_xor(v, ushort(m)); }
+inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
 // Staging rows in threadgroup memory (see dialect_cuda.h). Metal has no asynchronous copy in
 // MSL: copy16_async is a plain copy, ASYNC_COMMIT / ASYNC_WAIT do nothing, and the BARRIER()
 // after them orders the copies; the memory is declared with its size (at most 32 KB).

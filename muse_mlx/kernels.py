@@ -35,12 +35,28 @@ COMBINE_WARPS = 4                    # simdgroups merging one query head's split
 
 
 def attention_prefetch_rows() -> int:
-    """Rows of K/V the attention partial loads together (MUSE_MLX_ATTN_ROWS, default 1: one
-    row at a time; 8 measured no faster on the H200 in the fifth session, docs/kernels.md)."""
-    value = os.environ.get("MUSE_MLX_ATTN_ROWS", "") or "1"
+    """Rows of K/V the attention partial loads together (MUSE_MLX_ATTN_ROWS, default 8). On the
+    H200 (Nsight Compute, one token at depth 32,768; docs/kernels.md "Fifth session") 8 rows
+    took the partials of a 32,776-row plane from 125.5 to 102.5 us and of a 2,048-row ring
+    from 33.2 to 26.6 us against 1 row at a time."""
+    value = os.environ.get("MUSE_MLX_ATTN_ROWS", "") or "8"
     if not value.isdigit() or not 1 <= int(value) <= 32:
         raise ValueError(f"MUSE_MLX_ATTN_ROWS must be an integer 1..32, not {value!r}")
     return int(value)
+
+ATTENTION_LOOPS = ("rows", "butterfly")
+
+
+def attention_loop() -> str:
+    """The attention partial's walk over its rows (MUSE_MLX_ATTN_LOOP): rows (default:
+    attention.inc `partial`, one simdgroup reduction per row and head) or butterfly
+    (`partial_butterfly`: the dot products of 32 (row, head) pairs summed in one butterfly;
+    executed by the CPU emulator and compiled with NVRTC, not yet run on a GPU)."""
+    choice = os.environ.get("MUSE_MLX_ATTN_LOOP", "") or "rows"
+    if choice not in ATTENTION_LOOPS:
+        raise ValueError(f"MUSE_MLX_ATTN_LOOP must be one of {', '.join(ATTENTION_LOOPS)}, not {choice!r}")
+    return choice
+
 
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
@@ -69,6 +85,7 @@ class Settings(NamedTuple):
     matvec: str           # matvec_loop()
     stream_groups: str    # MUSE_MLX_STREAM_GROUPS, "" = the plan's own
     attn_rows: int        # attention_prefetch_rows()
+    attn_loop: str        # attention_loop()
 
 
 _frozen: Settings | None = None
@@ -82,7 +99,7 @@ def settings() -> Settings:
     if _frozen is not None:
         return _frozen
     return Settings(backend(), matvec_loop(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""),
-                    attention_prefetch_rows())
+                    attention_prefetch_rows(), attention_loop())
 
 
 @contextmanager
@@ -140,6 +157,8 @@ KERNELS = {
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
        for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
+    "attention_partial_butterfly": ("attention", ["partial_butterfly"], ["q", "keys", "values", "params"],
+                                    ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine", "store"], ["part_o", "part_ml", "params"], ["out"]),
     "attention_combine_gated": ("attention", ["combine", "store_gated"], ["part_o", "part_ml", "params", "gate"],
                                 ["out"]),
@@ -394,7 +413,8 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
     params = attention_params(n_valid, chunk) if params is None else params
     partial, combine = _attention_launch_args(q.shape, keys.shape, chunk, nsplit, gate is not None, gate_offset,
                                               out_shape, s.attn_rows)
-    part_o, part_ml = kernel("attention_partial", s.backend)(inputs=[q, keys, values, params], **partial)
+    partial_name = "attention_partial" if s.attn_loop == "rows" else "attention_partial_butterfly"
+    part_o, part_ml = kernel(partial_name, s.backend)(inputs=[q, keys, values, params], **partial)
     name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
         ("attention_combine_gated", [part_o, part_ml, params, gate])
     return kernel(name, s.backend)(inputs=inputs, init_value=init_value, **combine)[0]

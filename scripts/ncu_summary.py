@@ -43,8 +43,8 @@ def main(path: str) -> None:
         t = num(r["gpu__time_duration.sum"])
         k["n"] += 1
         k["ns"] += t
-        k["read"] += num(r["dram__bytes_read.sum"])
-        k["inst"] += num(r["smsp__inst_executed.sum"])
+        k["read"] += num(r.get("dram__bytes_read.sum", "0"))  # absent from a durations-only listing
+        k["inst"] += num(r.get("smsp__inst_executed.sum", "0"))
         for m in ("sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
                   "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
                   "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",

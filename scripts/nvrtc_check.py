@@ -54,6 +54,9 @@ CASES = [
        [("HD", 128), ("G", 16), ("HPW", 4), ("CAP", 131072), ("CHUNK", 128), ("PF", pf)]) for pf in (1, 8)],
     ("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
      [("HD", 48), ("G", 6), ("HPW", 2), ("CAP", 64), ("CHUNK", 64), ("PF", 8)]),
+    *[("attention_partial_butterfly", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
+       [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk), ("PF", 8)])
+      for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4)]),
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 48), ("CW", 4)]),
     ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"],

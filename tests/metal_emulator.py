@@ -89,6 +89,11 @@ inline float simd_shuffle_xor(float v, ushort m) {
   const float r = emu_warp->slot[thread_index_in_simdgroup ^ m];
   emu_warp->bar.arrive_and_wait(); return r;
 }
+inline float simd_shuffle(float v, ushort l) {
+  emu_warp->slot[thread_index_in_simdgroup] = v; emu_warp->bar.arrive_and_wait();
+  const float r = emu_warp->slot[l & 31u];
+  emu_warp->bar.arrive_and_wait(); return r;
+}
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 inline void threadgroup_barrier(int) { emu_group->arrive_and_wait(); }
 """

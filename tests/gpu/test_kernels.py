@@ -217,10 +217,14 @@ def test_matvec_float(qtype):
     ("ring-before-wrap", 2048, 1), ("ring-before-wrap", 2048, 700), ("ring-full", 2048, 2048),
     ("plane", 131072, 5), ("plane", 131072, 32768), ("plane", 131072, 100_003), ("plane", 131072, 131072),
 ])
-@pytest.mark.parametrize("rows", ["1", "8"])
+@pytest.mark.parametrize("rows", ["1", "8", "butterfly"])
 def test_decode_attention(kind, cap, n_valid, rows, monkeypatch):
-    """Rows of K/V loaded one at a time or eight together (MUSE_MLX_ATTN_ROWS)."""
-    monkeypatch.setenv("MUSE_MLX_ATTN_ROWS", rows)
+    """Rows of K/V loaded one at a time or eight together (MUSE_MLX_ATTN_ROWS), or the butterfly
+    loop (MUSE_MLX_ATTN_LOOP)."""
+    if rows == "butterfly":
+        monkeypatch.setenv("MUSE_MLX_ATTN_LOOP", rows)
+    else:
+        monkeypatch.setenv("MUSE_MLX_ATTN_ROWS", rows)
     rng = np.random.default_rng([SEED, cap, n_valid])
     n_head, n_kv, hd = 32, 2, 128
     q = mx.array(rng.standard_normal((n_head, hd)).astype(np.float32))
