@@ -18,7 +18,7 @@ from muse_mlx import kernels
 from muse_mlx.fixtures import DEFAULT_GEOMETRY, kquant_mix, random_blocks, write_fixture, write_random_blocks
 from muse_mlx.model import load
 from muse_mlx.quant import dequantize
-from reference import attention_ref
+from reference import ReferenceModel, attention_ref, within_float32_noise
 
 pytestmark = pytest.mark.skipif(kernels.backend() is None, reason="no Metal or CUDA device")
 
@@ -97,17 +97,19 @@ def fixture_files(tmp_path_factory):
     return files
 
 
-# Max / mean |Δ log-prob| allowed. The random-block fixtures are ill-conditioned (logits of
-# standard deviation 10-19, against ~2 for the others), so float32 noise, amplified by the
-# f16 rounding of K/V, is larger and heavy-tailed: on the CPU the reference path itself
-# differs from the float64 reference by up to 8.3e-2 (Q4_K_M) and 5.3e-2 (NVFP4), 2.4e-3
-# mean (NVFP4), with top-1 1.0 (receipts/reference/float64.json). There the mean and the
-# top-1 agreement are the guards; a wrong block layout moves both by orders of magnitude.
-LOGIT_TOLERANCE = {"F32": (5e-3, 5e-4), "F16": (5e-3, 5e-4), "Q8_0": (5e-3, 5e-4),
-                   "Q4_K_M-random": (1.5e-1, 5e-3), "NVFP4-random": (1.5e-1, 5e-3)}
+# Max / mean |Δ log-prob| allowed against the reference path, for the well-conditioned fixtures.
+LOGIT_TOLERANCE = {"F32": (5e-3, 5e-4), "F16": (5e-3, 5e-4), "Q8_0": (5e-3, 5e-4)}
+# The random-block fixtures are ill-conditioned (logits of standard deviation 10-19): in one
+# position of a few hundred, tiny activations rescaled by the post-norms and f16 roundings of
+# K/V flipped by float32 noise move the whole log-prob row by 0.1 to several units under any
+# change of summation order, and which position depends on the tokens drawn (fifth session:
+# over 100 draws, max < 0.15 against the reference path failed 12 % of the time for the
+# reference path itself, perturbed by 1e-7). They are judged position by position against the
+# float64 oracle with each position's own allowance (reference.within_float32_noise).
+RANDOM_FIXTURES = ("Q4_K_M-random", "NVFP4-random")
 
 
-@pytest.mark.parametrize("name", list(LOGIT_TOLERANCE))
+@pytest.mark.parametrize("name", [*LOGIT_TOLERANCE, *RANDOM_FIXTURES])
 def test_kernel_path_logits_match_reference_path(fixture_files, name):
     """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 57 decode
     steps (one-token matvecs + kernel attention) over wrapped 64-row rings."""
@@ -116,11 +118,16 @@ def test_kernel_path_logits_match_reference_path(fixture_files, name):
     ref = run(fixture_files[name], tokens, 103, use_kernels=False)
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    max_tol, mean_tol = LOGIT_TOLERANCE[name]
-    ok = bool(np.isfinite(ours).all() and d.max() < max_tol and d.mean() < mean_tol and top1 >= 0.98)
-    record("model_logits", fixture=name, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()),
-           top1=top1, **{"pass": ok})
-    assert ok, (d.max(), d.mean(), top1)
+    fields = dict(fixture=name, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()), top1=top1)
+    if name in RANDOM_FIXTURES:
+        verdict = within_float32_noise(ours, ref, ReferenceModel(fixture_files[name]), tokens)
+        ok = verdict.pop("ok")
+        fields.update(verdict)
+    else:
+        max_tol, mean_tol = LOGIT_TOLERANCE[name]
+        ok = bool(np.isfinite(ours).all() and d.max() < max_tol and d.mean() < mean_tol and top1 >= 0.98)
+    record("model_logits", **fields, **{"pass": ok})
+    assert ok, fields
 
 
 # ---- single kernels against float64 ----------------------------------------------------
