@@ -445,17 +445,18 @@ def _attention_launch_args(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: 
 
 def qk_post(q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,
             rope_half: int, eps: mx.array, n_head: int, n_kv: int, head_dim: int, q_offset: int = 0,
-            k_offset: int = 0, init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
+            k_offset: int = 0, init_value: float | None = None,
+            v_offset: int = 0) -> tuple[mx.array, mx.array, mx.array]:
     """One token's q, k, v (f32) -> q normed and rotated (n_head, hd) f32, k and v (n_kv, 1, hd) f16.
 
-    q and k are read from `q_offset` and `k_offset` of their arrays (pass one stacked Q|K|gate
-    output as both). `rope` is cos then sin of the rope_half angles (model.rope_cos_sin), unused
+    q, k and v are read from `q_offset`, `k_offset` and `v_offset` of their arrays (pass one
+    stacked Q|K|gate or Q|K|gate|V output as each). `rope` is cos then sin of the rope_half angles (model.rope_cos_sin), unused
     when rope_half is 0 (NoPE); `eps` a 1-element f32 array (the RMSNorm epsilon)."""
     tpg = -(-head_dim // 32) * 32
     q_out, k_out, v_out = kernel("qk_post", settings().backend)(
         inputs=[q, k, v, q_norm, k_norm, rope, eps],
         template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg),
-                  ("Q_OFF", q_offset), ("K_OFF", k_offset)],
+                  ("Q_OFF", q_offset), ("K_OFF", k_offset), ("V_OFF", v_offset)],
         grid=((n_head + 2 * n_kv) * tpg, 1, 1), threadgroup=(tpg, 1, 1),
         output_shapes=[(n_head, head_dim), (n_kv, 1, head_dim), (n_kv, 1, head_dim)],
         output_dtypes=[mx.float32, mx.float16, mx.float16], init_value=init_value, stream=mx.gpu)

@@ -195,11 +195,15 @@ class Attention(nn.Module):
         self.g, self.sliding, self.use_kernels = g, g.is_swa(layer), use_kernels
         self.attn_norm = _vector(t["attn_norm"])
         qkg = [t["attn_q"], t["attn_k"], t["attn_gate"]]
-        if use_kernels and _stackable(qkg):  # one launch for the three projections of h
-            self.wqkg = Projection(qkg, use_kernels)
+        # One launch for the projections of h: Q|K|gate, and V after them where its type is
+        # theirs (in Q4_K_M, the layers without "more bits" for V).
+        self.v_stacked = bool(use_kernels and _stackable(qkg + [t["attn_v"]]))
+        if use_kernels and _stackable(qkg):
+            self.wqkg = Projection(qkg + [t["attn_v"]] if self.v_stacked else qkg, use_kernels)
         else:
             self.wq, self.wk, self.wgate = (Projection(r, use_kernels) for r in qkg)
-        self.wv = Projection(t["attn_v"], use_kernels)
+        if not self.v_stacked:
+            self.wv = Projection(t["attn_v"], use_kernels)
         self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
         self.wo = Projection(t["attn_output"], use_kernels)
         self.post_norm = _vector(t["post_attention_norm"])
@@ -213,15 +217,16 @@ class Attention(nn.Module):
         of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
         combine step. `params` shares the attention scalars among the layers of a kind."""
         g = self.g
-        if "wqkg" in self:  # one stacked product; the kernels read q, k and the gate at their offsets
+        if "wqkg" in self:  # one stacked product; the kernels read q, k, the gate (and v) at their offsets
             q = k = gate = self.wqkg(h)
             offsets = (0, g.q_dim, g.q_dim + g.kv_dim)
         else:
             q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
             offsets = (0, 0, 0)
+        v, v_offset = (q, 2 * g.q_dim + g.kv_dim) if self.v_stacked else (self.wv(h), 0)
         rope_half = g.rope_dim // 2 if self.sliding else 0
-        q, k16, v16 = kernels.qk_post(q, k, self.wv(h), self.q_norm, self.k_norm, rope, rope_half, self.eps,
-                                      g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1])
+        q, k16, v16 = kernels.qk_post(q, k, v, self.q_norm, self.k_norm, rope, rope_half, self.eps,
+                                      g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1], v_offset=v_offset)
         cache.append(k16, v16)
         n_valid = min(cache.offset, cache.capacity)
         chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
@@ -236,12 +241,14 @@ class Attention(nn.Module):
         h = mx.fast.rms_norm(x, self.attn_norm, g.rms_eps)
         if "wqkg" in self:
             qkg = self.wqkg(h)
-            q, k, gate = qkg[:, :g.q_dim], qkg[:, g.q_dim:g.q_dim + g.kv_dim], qkg[:, g.q_dim + g.kv_dim:]
+            gate_end = 2 * g.q_dim + g.kv_dim
+            q, k, gate = qkg[:, :g.q_dim], qkg[:, g.q_dim:g.q_dim + g.kv_dim], qkg[:, g.q_dim + g.kv_dim:gate_end]
         else:
             q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
+        v = qkg[:, gate_end:] if self.v_stacked else self.wv(h)
         q = q.reshape(L, g.n_head, g.head_dim)
         k = k.reshape(L, g.n_head_kv, g.head_dim)
-        v = self.wv(h).reshape(L, g.n_head_kv, g.head_dim)
+        v = v.reshape(L, g.n_head_kv, g.head_dim)
         q = mx.fast.rms_norm(q, self.q_norm, g.rms_eps)
         k = mx.fast.rms_norm(k, self.k_norm, g.rms_eps)
         if self.sliding:

@@ -63,7 +63,7 @@ CASES = [
      [("HD", 128), ("CW", 4), ("GATE_OFF", 4352)]),
     *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),
-        ("K_OFF", 32 * hd)])
+        ("K_OFF", 32 * hd), ("V_OFF", 66 * hd)])
       for hd, rh in ((128, 64), (128, 0), (48, 16))],
     ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
 ]

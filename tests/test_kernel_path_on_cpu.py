@@ -34,7 +34,7 @@ def matvec_silu(w, qtype, gate, up, up_offset=0, init_value=None):
 
 
 def qk_post(q, k, v, q_norm, k_norm, rope, rope_half, eps, n_head, n_kv, head_dim, q_offset=0, k_offset=0,
-            init_value=None):
+            init_value=None, v_offset=0):
     def part(a, offset, heads):
         return a.reshape(-1)[offset:offset + heads * head_dim].reshape(heads, head_dim)
 
@@ -47,7 +47,7 @@ def qk_post(q, k, v, q_norm, k_norm, rope, rope_half, eps, n_head, n_kv, head_di
         return mx.concatenate([pairs, x[:, 2 * rope_half:]], axis=-1)
     qn = rotate(mx.fast.rms_norm(part(q, q_offset, n_head), q_norm, eps[0].item()))
     kn = rotate(mx.fast.rms_norm(part(k, k_offset, n_kv), k_norm, eps[0].item()))
-    return qn, kn.astype(mx.float16)[:, None], part(v, 0, n_kv).astype(mx.float16)[:, None]
+    return qn, kn.astype(mx.float16)[:, None], part(v, v_offset, n_kv).astype(mx.float16)[:, None]
 
 
 def decode_attention(q, keys, values, n_valid, chunk, init_value=None, gate=None, gate_offset=0, params=None,
