@@ -214,7 +214,7 @@ def run_bench(args) -> dict:
     from . import kernels
 
     out = {"model": str(args.model), "matvec_loop": kernels.matvec_loop(),
-           "attention_rows": kernels.attention_prefetch_rows(),
+           "attention_rows": kernels.attention_prefetch_rows(), "attention_loop": kernels.attention_loop(),
            "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
            "read_bandwidth_gbps": bw, "decode": [], "prefill": []}
     for depth in args.depths:

@@ -90,3 +90,24 @@ def test_stream_plans_fit_the_hardware(loop, which, monkeypatch):
         per_sm = -(-resident // kernels.CUDA_MULTIPROCESSORS)
         assert per_sm * tpg <= 2048
         assert per_sm * (plan.shared_bytes + 1024) <= 228 * 1024 or plan.loop == "stream"
+
+
+@pytest.mark.parametrize("which", ["cuda", "metal"])
+def test_small_matrices_get_a_row_group_per_core(which, monkeypatch):
+    """A streaming matvec over few rows (V: 256) does not leave multiprocessors idle while each
+    group walks its rows in turn: rows per group shrink (to 2 at least) until there are as many
+    row groups as cores, or the rows run out; large matrices keep the variant's R."""
+    from gguf import GGMLQuantizationType as QT
+
+    monkeypatch.setenv("MUSE_MLX_MATVEC", "stream")
+    monkeypatch.setattr(kernels, "backend", lambda: which)
+    cores = kernels.stream_cores(which)
+    for qtype in (QT.Q4_K, QT.Q6_K):
+        R0, RF0 = kernels.STREAM_VARIANTS[qtype][1:]
+        for N in (1, 37, 256, 4096, 39936):
+            plan = kernels.stream_plan(qtype, 6656, N)
+            assert plan.rows % plan.rows_loaded == 0 and plan.rows_loaded <= RF0
+            if -(-N // R0) >= cores:
+                assert plan.rows == R0
+            else:
+                assert plan.rows < R0 and (plan.rows == 2 or -(-N // plan.rows) >= cores)

@@ -39,6 +39,7 @@ struct uint4 { uint32_t x, y, z, w; };
 inline float simd_sum(float v) { return v; }
 inline float simd_max(float v) { return v; }
 inline float simd_shuffle_xor(float v, unsigned short) { return v; }
+inline float simd_shuffle(float v, unsigned short) { return v; }
 """
 
 MAIN = """
