@@ -23,7 +23,9 @@ smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio}
 # KERNELS: the kernels listed (default: ours, regex muse); DETAIL="": no detail passes.
 # Our kernels only (-k muse): ncu could not replay one of MLX's own (binary_g_nd) in the
 # embedding lookup, and hung there.
-timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
+# NCU_ARGS: more ncu options, e.g. "--cache-control none" (by default ncu flushes the caches
+# before each kernel, which overstates small kernels that normally find their inputs in L2).
+timeout 200 "$NCU" --profile-from-start off --clock-control none ${NCU_ARGS:-} --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
   --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-token${TAG:-}.csv" 2> "$OUTDIR/ncu-token${TAG:-}.err"
 echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token${TAG:-}.err"
 python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
