@@ -12,12 +12,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 [ -f .device/revision ] && export MUSE_GIT_REVISION="$(cat .device/revision)"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 
-mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama
-[ "${LLAMA_BUILD:-1}" = 1 ] && setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-  -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > /tmp/llama/build.log 2>&1 \
-  && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
-  > /dev/null 2>&1 < /dev/null &
+[ "${LLAMA_BUILD:-1}" = 1 ] && bash scripts/build_llama_bg.sh
 
 # GPU_TESTS: the test ids to run (default: all of tests/gpu)
 MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -rf \

@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi
 export PYTHONUNBUFFERED=1
 NEW=$PWD BASE=$PWD/.device/base
+# LLAMA_BUILD=1 (carry .device/llama-src.tar.xz): build llama-bench in the background meanwhile,
+# for device_b.sh's llama-bench in a later call (the build slows this call's host a little).
+[ "${LLAMA_BUILD:-0}" = 1 ] && bash scripts/build_llama_bg.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
 [ -f /tmp/bench.gguf ] || python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
 BENCH_ARGS=${BENCH_ARGS:-"--depths 0,32768 --prefill '' --no-matvecs --reps 3 --decode-tokens 48"}

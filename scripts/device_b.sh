@@ -41,4 +41,4 @@ if grep -qE "sharedx.*PASSED" /tmp/gpu-tests.log 2>/dev/null && grep -qE "test_d
 else
   echo "candidate not benchmarked: device_a's GPU checks did not all pass (or did not run)"
 fi
-timeout 220 python3 scripts/probe_matvec.py --parts dispatch,loops,attention --receipt "$OUT/probe-dispatch.json" 2>&1
+[ "${PROBE:-1}" = 1 ] && timeout 220 python3 scripts/probe_matvec.py --parts dispatch,loops,attention --receipt "$OUT/probe-dispatch.json" 2>&1
