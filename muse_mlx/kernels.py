@@ -44,6 +44,7 @@ def attention_prefetch_rows() -> int:
         raise ValueError(f"MUSE_MLX_ATTN_ROWS must be an integer 1..32, not {value!r}")
     return int(value)
 
+
 ATTENTION_LOOPS = ("rows", "butterfly")
 
 
@@ -94,8 +95,8 @@ _frozen: Settings | None = None
 def settings() -> Settings:
     """The knobs now: read from the environment on each call, except inside `frozen_settings()`.
 
-    A decode token launches ~700 kernels; reading four environment variables for each cost
-    ~20 % of the host's Python time (a CPU profile of the step, docs/kernels.md "Fifth session")."""
+    A decode token launches ~700 kernels; reading the environment for each cost ~20 % of the
+    host's Python time (a CPU profile of the step, docs/kernels.md "Fifth session")."""
     if _frozen is not None:
         return _frozen
     return Settings(backend(), matvec_loop(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""),
@@ -209,11 +210,13 @@ def stream_groups(threads: int, which: str | None = None, groups_env: str | None
 
     On CUDA as many as fit on each multiprocessor at once by registers (~128 a thread: 512
     threads), so that enough warps have loads in flight; Apple GPUs: 64 (unmeasured here)."""
-    s = settings()
-    env = s.stream_groups if groups_env is None else groups_env
-    if env:
-        return max(1, int(env))
-    if (s.backend if which is None else which) != "cuda":
+    if which is None or groups_env is None:   # not given: the settings now
+        s = settings()
+        which = s.backend if which is None else which
+        groups_env = s.stream_groups if groups_env is None else groups_env
+    if groups_env:
+        return max(1, int(groups_env))
+    if which != "cuda":
         return 64
     return CUDA_MULTIPROCESSORS * max(1, STREAM_MAX_THREADS // threads)
 
