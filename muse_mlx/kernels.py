@@ -30,8 +30,8 @@ from gguf import GGMLQuantizationType as QT
 
 MAX_BATCH = 8            # matvec rows handled by one launch (decode, small prefill chunks, verification)
 ROWS_PER_GROUP = 4       # simdgroups (output rows) per threadgroup in the matvecs
-RING_CHUNK, PLANE_CHUNK = 32, 128   # attention rows per split for rings / planes
-COMBINE_WARPS = 4                    # simdgroups merging one query head's splits
+RING_CHUNK, PLANE_CHUNK = 32, 128   # attention rows per split for rings / planes (MUSE_MLX_ATTN_CHUNK)
+COMBINE_WARPS = 4                    # simdgroups merging one query head's splits (MUSE_MLX_COMBINE_WARPS)
 
 
 def attention_prefetch_rows() -> int:
@@ -57,6 +57,38 @@ def attention_loop() -> str:
     if choice not in ATTENTION_LOOPS:
         raise ValueError(f"MUSE_MLX_ATTN_LOOP must be one of {', '.join(ATTENTION_LOOPS)}, not {choice!r}")
     return choice
+
+
+def attention_chunks() -> tuple[int, int]:
+    """Rows per split of the attention partial for rings and for planes (MUSE_MLX_ATTN_CHUNK,
+    "RING,PLANE", default RING_CHUNK,PLANE_CHUNK). Fewer rows a split: more threadgroups, each
+    a shorter chain of dependent row updates, and more partial results for the combine."""
+    value = os.environ.get("MUSE_MLX_ATTN_CHUNK", "")
+    if not value:
+        return RING_CHUNK, PLANE_CHUNK
+    parts = value.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and 1 <= int(p) <= 65536 for p in parts):
+        raise ValueError(f"MUSE_MLX_ATTN_CHUNK must be two integers 1..65536, 'RING,PLANE', not {value!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def combine_warps_setting() -> int:
+    """Simdgroups of the attention combine per query head (MUSE_MLX_COMBINE_WARPS): a number
+    1..32, or 0 / "auto" for combine_warps(nsplit), one per 16 splits from 4 up to 32. Default
+    COMBINE_WARPS (the one measured on the H200)."""
+    value = os.environ.get("MUSE_MLX_COMBINE_WARPS", "") or str(COMBINE_WARPS)
+    if value == "auto":
+        return 0
+    if not value.isdigit() or not 0 <= int(value) <= 32:
+        raise ValueError(f"MUSE_MLX_COMBINE_WARPS must be 'auto' or an integer 0..32, not {value!r}")
+    return int(value)
+
+
+def combine_warps(nsplit: int, setting: int) -> int:
+    """The combine's simdgroups for `nsplit` partial results: `setting`, or when 0 one per 16
+    splits, at least 4 and at most 32 (each simdgroup then walks ~16 splits, its loads in flight
+    four at a time, instead of nsplit / 4)."""
+    return setting if setting else max(4, min(32, -(-nsplit // 16)))
 
 
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
@@ -87,6 +119,8 @@ class Settings(NamedTuple):
     stream_groups: str    # MUSE_MLX_STREAM_GROUPS, "" = the plan's own
     attn_rows: int        # attention_prefetch_rows()
     attn_loop: str        # attention_loop()
+    attn_chunks: tuple    # attention_chunks(): (ring, plane) rows per split
+    combine_warps: int    # combine_warps_setting(): 0 = scaled with the splits
 
 
 _frozen: Settings | None = None
@@ -100,7 +134,7 @@ def settings() -> Settings:
     if _frozen is not None:
         return _frozen
     return Settings(backend(), matvec_loop(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""),
-                    attention_prefetch_rows(), attention_loop())
+                    attention_prefetch_rows(), attention_loop(), attention_chunks(), combine_warps_setting())
 
 
 @contextmanager
@@ -415,7 +449,7 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
     nsplit = max(1, -(-n_valid // chunk))
     params = attention_params(n_valid, chunk) if params is None else params
     partial, combine = _attention_launch_args(q.shape, keys.shape, chunk, nsplit, gate is not None, gate_offset,
-                                              out_shape, s.attn_rows)
+                                              out_shape, s.attn_rows, combine_warps(nsplit, s.combine_warps))
     partial_name = "attention_partial" if s.attn_loop == "rows" else "attention_partial_butterfly"
     part_o, part_ml = kernel(partial_name, s.backend)(inputs=[q, keys, values, params], **partial)
     name, inputs = ("attention_combine", [part_o, part_ml, params]) if gate is None else \
@@ -425,7 +459,7 @@ def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int
 
 @lru_cache(maxsize=None)
 def _attention_launch_args(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: int, gated: bool, gate_offset: int,
-                           out_shape: tuple | None, rows: int) -> tuple[dict, dict]:
+                           out_shape: tuple | None, rows: int, cw: int = COMBINE_WARPS) -> tuple[dict, dict]:
     """The launch keywords of decode_attention's two kernels, worked out once per shape."""
     n_head, hd = q_shape
     n_kv, cap, _ = kv_shape
@@ -437,8 +471,8 @@ def _attention_launch_args(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: 
         output_shapes=[(n_head * nsplit * hd,), (n_head * nsplit * 2,)],
         output_dtypes=[mx.float32, mx.float32], stream=mx.gpu)
     combine = dict(
-        template=[("HD", hd), ("CW", COMBINE_WARPS)] + ([("GATE_OFF", gate_offset)] if gated else []),
-        grid=(n_head * COMBINE_WARPS * 32, 1, 1), threadgroup=(COMBINE_WARPS * 32, 1, 1),
+        template=[("HD", hd), ("CW", cw)] + ([("GATE_OFF", gate_offset)] if gated else []),
+        grid=(n_head * cw * 32, 1, 1), threadgroup=(cw * 32, 1, 1),
         output_shapes=[out_shape or (n_head, hd)], output_dtypes=[mx.float32], stream=mx.gpu)
     return partial, combine
 

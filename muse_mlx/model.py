@@ -229,7 +229,7 @@ class Attention(nn.Module):
                                       g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1], v_offset=v_offset)
         cache.append(k16, v16)
         n_valid = min(cache.offset, cache.capacity)
-        chunk = kernels.RING_CHUNK if self.sliding else kernels.PLANE_CHUNK
+        chunk = kernels.settings().attn_chunks[0 if self.sliding else 1]
         if (chunk, n_valid) not in params:
             params[(chunk, n_valid)] = kernels.attention_params(n_valid, chunk)
         a = kernels.decode_attention(q, cache.keys, cache.values, n_valid, chunk, gate=gate, gate_offset=offsets[2],

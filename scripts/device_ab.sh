@@ -7,7 +7,8 @@
 # Writes $OUT/ab-{new,base}-{1,2}.json (muse_mlx.bench decode receipts, new-base-new-base so
 # that a drift of the machine shows) and $OUT/gpu-tests.log / verification.json for GPU_TESTS.
 # VARIANTS="tag:VAR=value ..." also times this tree with those settings in each pass
-# (e.g. VARIANTS="butterfly:MUSE_MLX_ATTN_LOOP=butterfly" writes ab-butterfly-{1,2}.json).
+# (e.g. VARIANTS="butterfly:MUSE_MLX_ATTN_LOOP=butterfly" writes ab-butterfly-{1,2}.json; several
+# settings of one variant joined by "+": "small:MUSE_MLX_ATTN_CHUNK=16,64+MUSE_MLX_COMBINE_WARPS=auto").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi
@@ -20,7 +21,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --
 [ -f /tmp/bench.gguf ] || python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
 BENCH_ARGS=${BENCH_ARGS:-"--depths 0,32768 --prefill '' --no-matvecs --reps 3 --decode-tokens 48"}
 run_bench() {  # tree tag [VAR=value]
-  (cd "$1" && export ${3:-MUSE_AB_VARIANT=none} && PYTHONPATH="$1:$PYTHONPATH" \
+  local assigns=${3:-MUSE_AB_VARIANT=none}
+  (cd "$1" && export ${assigns//+/ } && PYTHONPATH="$1:$PYTHONPATH" \
     MUSE_GIT_REVISION="$(cat "$1/.device/revision" 2>/dev/null || cat "$1/revision")" \
     eval timeout 150 python3 -m muse_mlx.bench --model /tmp/bench.gguf --synthetic $BENCH_ARGS \
     --receipt "$OUT/ab-$2.json") 2>&1 | grep -v "^$" | sed "s/^/[$2] /"

@@ -36,9 +36,33 @@ def short(name: str) -> str:
     return name.replace("custom_kernel_muse_", "")[:60]
 
 
-def main(path: str) -> None:
+def main(argv: list[str]) -> int:
+    """ncu_summary.py LISTING [--parts tag,tag2,...]: with --parts the listing's launches are
+    split into that many equal runs in order (profile_decode.py --variants: one token each),
+    each folded on its own."""
+    path, tags = argv[0], []
+    if argv[1:2] == ["--parts"] and len(argv) == 3:
+        tags = argv[2].split(",")
+    elif len(argv) != 1:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    listing = list(rows(path))
+    if not tags:
+        fold(listing)
+        return 0
+    if not listing or len(listing) % len(tags):
+        print(f"{path}: {len(listing)} launches do not split into {len(tags)} equal parts", file=sys.stderr)
+        return 1
+    n = len(listing) // len(tags)
+    for i, tag in enumerate(tags):
+        print(f"== {tag}: launches {i * n + 1}-{(i + 1) * n}")
+        fold(listing[i * n:(i + 1) * n])
+    return 0
+
+
+def fold(listing: list[dict]) -> None:
     agg = defaultdict(lambda: defaultdict(float))
-    for r in rows(path):
+    for r in listing:
         k = agg[short(r.get("Kernel Name", "?"))]
         t = num(r["gpu__time_duration.sum"])
         k["n"] += 1
@@ -77,4 +101,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    raise SystemExit(main(sys.argv[1:]))

@@ -25,10 +25,13 @@ smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio}
 # embedding lookup, and hung there.
 # NCU_ARGS: more ncu options, e.g. "--cache-control none" (by default ncu flushes the caches
 # before each kernel, which overstates small kernels that normally find their inputs in L2).
-timeout 200 "$NCU" --profile-from-start off --clock-control none ${NCU_ARGS:-} --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
-  --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-token${TAG:-}.csv" 2> "$OUTDIR/ncu-token${TAG:-}.err"
+timeout "${NCU_TIMEOUT:-200}" "$NCU" --profile-from-start off --clock-control none ${NCU_ARGS:-} --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
+  --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" ${VARIANTS:+--variants "$VARIANTS"} \
+  > "$OUTDIR/ncu-token${TAG:-}.csv" 2> "$OUTDIR/ncu-token${TAG:-}.err"
 echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token${TAG:-}.err"
-python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
+# VARIANTS="tag:VAR=value VAR=value;tag2:..." (profile_decode.py --variants): one token per variant, folded apart.
+PARTS=$(python3 -c 'import sys; print(",".join(v.split(":")[0] for v in sys.argv[1].split(";") if v))' "${VARIANTS:-}")
+python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" ${PARTS:+--parts "$PARTS"} | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
 # Full sections for the first kernels of the token matching each regex (name:count).
 for spec in ${DETAIL-"matvec_stream|attention_partial:8" "silu_q4_k:1"}; do
   rx=${spec%:*} count=${spec##*:} tag=$(echo "${spec%:*}" | tr -c 'a-z0-9_\n' '-' | cut -c1-30)

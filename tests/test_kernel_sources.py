@@ -111,3 +111,30 @@ def test_small_matrices_get_a_row_group_per_core(which, monkeypatch):
                 assert plan.rows == R0
             else:
                 assert plan.rows < R0 and (plan.rows == 2 or -(-N // plan.rows) >= cores)
+
+
+def test_attention_knobs_parse_and_reject(monkeypatch):
+    """MUSE_MLX_ATTN_CHUNK and MUSE_MLX_COMBINE_WARPS: defaults, values, and one clear error each."""
+    for var in ("MUSE_MLX_ATTN_CHUNK", "MUSE_MLX_COMBINE_WARPS"):
+        monkeypatch.delenv(var, raising=False)
+    s = kernels.settings()
+    assert (s.attn_chunks, s.combine_warps) == ((kernels.RING_CHUNK, kernels.PLANE_CHUNK), kernels.COMBINE_WARPS)
+    monkeypatch.setenv("MUSE_MLX_ATTN_CHUNK", "16,512")
+    monkeypatch.setenv("MUSE_MLX_COMBINE_WARPS", "auto")
+    s = kernels.settings()
+    assert (s.attn_chunks, s.combine_warps) == ((16, 512), 0)
+    for bad in ("16", "16,0", "a,b", "16,64,2", "-1,64"):
+        monkeypatch.setenv("MUSE_MLX_ATTN_CHUNK", bad)
+        with pytest.raises(ValueError, match="MUSE_MLX_ATTN_CHUNK"):
+            kernels.settings()
+    monkeypatch.delenv("MUSE_MLX_ATTN_CHUNK")
+    for bad in ("33", "x", "-4"):
+        monkeypatch.setenv("MUSE_MLX_COMBINE_WARPS", bad)
+        with pytest.raises(ValueError, match="MUSE_MLX_COMBINE_WARPS"):
+            kernels.settings()
+
+
+def test_combine_warps_scale_with_the_splits():
+    """auto (0): one simdgroup per 16 splits, between 4 and 32; a number is taken as given."""
+    assert [kernels.combine_warps(n, 0) for n in (1, 64, 65, 257, 512, 513, 8193)] == [4, 4, 5, 17, 32, 32, 32]
+    assert kernels.combine_warps(257, 6) == 6

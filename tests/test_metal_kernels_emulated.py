@@ -95,15 +95,18 @@ def test_batched_matvec(metal, qtype):
     (8, 2, 128, 300, 257, 128),  # a plane, the last split partly filled
     (6, 1, 48, 40, 7, 32),       # other geometry: head_dim 48 (lanes past it idle), GQA 6:1
 ])
-@pytest.mark.parametrize("rows", ["1", "8", "butterfly"])
+@pytest.mark.parametrize("rows", ["1", "8", "butterfly", "butterfly-cw6"])
 def test_decode_attention(metal, n_head, n_kv, hd, cap, n_valid, chunk, rows):
     """Rows of K/V loaded one at a time or eight together (MUSE_MLX_ATTN_ROWS), or the butterfly
     loop (MUSE_MLX_ATTN_LOOP; padding heads when HPW is 1 or 2), including a split shorter than
-    eight rows."""
-    if rows == "butterfly":
-        metal.setenv("MUSE_MLX_ATTN_LOOP", rows)
+    eight rows; -cw6: the combine in 6 simdgroups (MUSE_MLX_COMBINE_WARPS), more than some
+    cases have splits."""
+    if rows.startswith("butterfly"):
+        metal.setenv("MUSE_MLX_ATTN_LOOP", "butterfly")
     else:
         metal.setenv("MUSE_MLX_ATTN_ROWS", rows)
+    if rows.endswith("-cw6"):
+        metal.setenv("MUSE_MLX_COMBINE_WARPS", "6")
     rng = np.random.default_rng([n_head, hd, cap, n_valid])
     q = rng.standard_normal((n_head, hd)).astype(np.float32)
     keys = (0.5 * rng.standard_normal((n_kv, cap, hd))).astype(np.float16)

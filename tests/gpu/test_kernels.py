@@ -113,12 +113,32 @@ RANDOM_FIXTURES = ("Q4_K_M-random", "NVFP4-random")
 def test_kernel_path_logits_match_reference_path(fixture_files, name):
     """Prefill 100 (chunked path, dequantized weights) + 3 (batched matvec path), then 57 decode
     steps (one-token matvecs + kernel attention) over wrapped 64-row rings."""
+    check_logits(fixture_files, name)
+
+
+# Attention settings measured as candidates (docs/kernels.md, "Sixth session"), each checked
+# end to end before it may become a default.
+CANDIDATE_SETTINGS = {"butterfly": {"MUSE_MLX_ATTN_LOOP": "butterfly"},
+                      "butterfly-small-auto": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_ATTN_CHUNK": "16,64",
+                                               "MUSE_MLX_COMBINE_WARPS": "auto"}}
+
+
+@pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
+@pytest.mark.parametrize("candidate", CANDIDATE_SETTINGS)
+def test_kernel_path_logits_under_candidate_settings(fixture_files, name, candidate, monkeypatch):
+    """The whole-model check of one well- and one ill-conditioned fixture with a candidate's settings."""
+    for var, value in CANDIDATE_SETTINGS[candidate].items():
+        monkeypatch.setenv(var, value)
+    check_logits(fixture_files, name, candidate=candidate)
+
+
+def check_logits(fixture_files, name, **extra):
     tokens = np.random.default_rng([SEED, 7]).integers(0, DEFAULT_GEOMETRY.n_vocab, 160)
     ours = run(fixture_files[name], tokens, 103, use_kernels=True)
     ref = run(fixture_files[name], tokens, 103, use_kernels=False)
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    fields = dict(fixture=name, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()), top1=top1)
+    fields = dict(fixture=name, **extra, max_abs_dlogprob=float(d.max()), mean_abs_dlogprob=float(d.mean()), top1=top1)
     if name in RANDOM_FIXTURES:
         verdict = within_float32_noise(ours, ref, ReferenceModel(fixture_files[name]), tokens)
         ok = verdict.pop("ok")
@@ -224,20 +244,24 @@ def test_matvec_float(qtype):
     ("ring-before-wrap", 2048, 1), ("ring-before-wrap", 2048, 700), ("ring-full", 2048, 2048),
     ("plane", 131072, 5), ("plane", 131072, 32768), ("plane", 131072, 100_003), ("plane", 131072, 131072),
 ])
-@pytest.mark.parametrize("rows", ["1", "8", "butterfly"])
+@pytest.mark.parametrize("rows", ["1", "8", "butterfly", "butterfly-small-auto"])
 def test_decode_attention(kind, cap, n_valid, rows, monkeypatch):
     """Rows of K/V loaded one at a time or eight together (MUSE_MLX_ATTN_ROWS), or the butterfly
-    loop (MUSE_MLX_ATTN_LOOP)."""
-    if rows == "butterfly":
-        monkeypatch.setenv("MUSE_MLX_ATTN_LOOP", rows)
+    loop (MUSE_MLX_ATTN_LOOP); -small-auto: splits of 16 / 64 rows (ring / plane) and the
+    combine's simdgroups scaled with the splits (MUSE_MLX_COMBINE_WARPS=auto: up to 32)."""
+    if rows.startswith("butterfly"):
+        monkeypatch.setenv("MUSE_MLX_ATTN_LOOP", "butterfly")
     else:
         monkeypatch.setenv("MUSE_MLX_ATTN_ROWS", rows)
+    small = rows.endswith("-small-auto")
+    if small:
+        monkeypatch.setenv("MUSE_MLX_COMBINE_WARPS", "auto")
     rng = np.random.default_rng([SEED, cap, n_valid])
     n_head, n_kv, hd = 32, 2, 128
     q = mx.array(rng.standard_normal((n_head, hd)).astype(np.float32))
     keys = mx.array((rng.standard_normal((n_kv, cap, hd)) * 0.5).astype(np.float16))
     values = mx.array(rng.standard_normal((n_kv, cap, hd)).astype(np.float16))
-    chunk = kernels.RING_CHUNK if kind.startswith("ring") else kernels.PLANE_CHUNK
+    chunk = (16 if small else kernels.RING_CHUNK) if kind.startswith("ring") else (64 if small else kernels.PLANE_CHUNK)
     out = np.array(kernels.decode_attention(q, keys, values, n_valid, chunk, init_value=float("nan")))
     ref = attention_ref(q, keys, values, n_valid)
     err = rel_err(out.astype(np.float64), ref)
