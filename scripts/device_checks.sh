@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for what does not time end to end (so it may share the CPUs with the
 # llama.cpp build): start llama-bench's build in the background (LLAMA_BUILD=1, carry
-# .device/llama-src.tar.xz), make the bench GGUF, run this tree's GPU checks, then Nsight
-# Compute listings of one warm token per settings variant. The end-to-end timings follow in
+# .device/llama-src.tar.xz), make the bench GGUF, Nsight Compute listings of one warm token per
+# settings variant, then this tree's GPU checks (last: what the call's limit cuts). The end-to-end timings follow in
 # a later call on the same machine (device_ab.sh with BENCH_ONLY, then device_b.sh).
 #   carry .device/part2 (or the machine already set up by an earlier call), .device/revision
 #   GPU_TESTS=tests/gpu/test_kernels.py PYTEST_K="logits or attention" TEST_TIMEOUT=280 \
@@ -18,12 +18,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" MUSE_GIT_REVISION="$
 [ "${LLAMA_BUILD:-0}" = 1 ] && bash scripts/build_llama_bg.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
 [ -f /tmp/bench.gguf ] || python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tail -2 | tee "$OUT/make-gguf.log"
-if [ -n "${GPU_TESTS:-}" ]; then
-  t0=$(date +%s)
-  MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-200}" python3 -m pytest $GPU_TESTS ${PYTEST_K:+-k "$PYTEST_K"} \
-    -p no:cacheprovider -rf --tb=line -v > "$OUT/gpu-tests.log" 2>&1
-  echo "GPU tests rc $? in $(( $(date +%s) - t0 )) s"; grep -cE "PASSED" "$OUT/gpu-tests.log"; grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head; tail -2 "$OUT/gpu-tests.log"
-fi
 IFS='@' read -ra runs <<< "${NCU_RUNS:-}"
 for run in "${runs[@]}"; do
   run=$(echo "$run" | sed 's/^ *//; s/ *$//'); [ -n "$run" ] || continue
@@ -33,3 +27,9 @@ for run in "${runs[@]}"; do
     bash scripts/profile_decode.sh /tmp/bench.gguf "$OUT" "${NCU_DEPTH:-32768}" | tail -40
   echo "ncu run $tag took $(( $(date +%s) - t0 )) s"
 done
+if [ -n "${GPU_TESTS:-}" ]; then
+  t0=$(date +%s)
+  MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-200}" python3 -m pytest $GPU_TESTS ${PYTEST_K:+-k "$PYTEST_K"} \
+    -p no:cacheprovider -rf --tb=line -v > "$OUT/gpu-tests.log" 2>&1
+  echo "GPU tests rc $? in $(( $(date +%s) - t0 )) s"; grep -cE "PASSED" "$OUT/gpu-tests.log"; grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head; tail -2 "$OUT/gpu-tests.log"
+fi
