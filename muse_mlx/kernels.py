@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as QT
 MAX_BATCH = 8            # matvec rows handled by one launch (decode, small prefill chunks, verification)
 ROWS_PER_GROUP = 4       # simdgroups (output rows) per threadgroup in the matvecs
 RING_CHUNK, PLANE_CHUNK = 32, 128   # attention rows per split for rings / planes (MUSE_MLX_ATTN_CHUNK)
-COMBINE_WARPS = 4                    # simdgroups merging one query head's splits (MUSE_MLX_COMBINE_WARPS)
+COMBINE_WARPS = 4                    # the fewest simdgroups merging one query head's splits (MUSE_MLX_COMBINE_WARPS)
 
 
 def attention_prefetch_rows() -> int:
@@ -49,11 +49,13 @@ ATTENTION_LOOPS = ("rows", "butterfly")
 
 
 def attention_loop() -> str:
-    """The attention partial's walk over its rows (MUSE_MLX_ATTN_LOOP): rows (default:
-    attention.inc `partial`, one simdgroup reduction per row and head) or butterfly
-    (`partial_butterfly`: the dot products of 32 (row, head) pairs summed in one butterfly;
-    executed by the CPU emulator and compiled with NVRTC, not yet run on a GPU)."""
-    choice = os.environ.get("MUSE_MLX_ATTN_LOOP", "") or "rows"
+    """The attention partial's walk over its rows (MUSE_MLX_ATTN_LOOP): butterfly (default:
+    attention.inc `partial_butterfly`, the dot products of 32 (row, head) pairs summed in one
+    butterfly) or rows (`partial`, one simdgroup reduction per row and head). On the H200
+    (Nsight Compute, one token at depth 32,768; docs/kernels.md "Sixth session") the butterfly
+    took a 32,785-row plane's partial from 102.6 to 40.8 us and a 2,048-row ring's from 26.4
+    to 10.8-15.4 us."""
+    choice = os.environ.get("MUSE_MLX_ATTN_LOOP", "") or "butterfly"
     if choice not in ATTENTION_LOOPS:
         raise ValueError(f"MUSE_MLX_ATTN_LOOP must be one of {', '.join(ATTENTION_LOOPS)}, not {choice!r}")
     return choice
@@ -74,9 +76,10 @@ def attention_chunks() -> tuple[int, int]:
 
 def combine_warps_setting() -> int:
     """Simdgroups of the attention combine per query head (MUSE_MLX_COMBINE_WARPS): a number
-    1..32, or 0 / "auto" for combine_warps(nsplit), one per 16 splits from 4 up to 32. Default
-    COMBINE_WARPS (the one measured on the H200)."""
-    value = os.environ.get("MUSE_MLX_COMBINE_WARPS", "") or str(COMBINE_WARPS)
+    1..32, or 0 / "auto" (the default) for combine_warps(nsplit), one per 16 splits from
+    COMBINE_WARPS up to 32. On the H200 (ncu, depth 32,768) a plane's combine of 257 splits
+    took 8.5 us in 17 simdgroups against ~18 in 4 (docs/kernels.md "Sixth session")."""
+    value = os.environ.get("MUSE_MLX_COMBINE_WARPS", "") or "auto"
     if value == "auto":
         return 0
     if not value.isdigit() or not 0 <= int(value) <= 32:
@@ -88,7 +91,7 @@ def combine_warps(nsplit: int, setting: int) -> int:
     """The combine's simdgroups for `nsplit` partial results: `setting`, or when 0 one per 16
     splits, at least 4 and at most 32 (each simdgroup then walks ~16 splits, its loads in flight
     four at a time, instead of nsplit / 4)."""
-    return setting if setting else max(4, min(32, -(-nsplit // 16)))
+    return setting if setting else max(COMBINE_WARPS, min(32, -(-nsplit // 16)))
 
 
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}

@@ -118,7 +118,7 @@ def test_attention_knobs_parse_and_reject(monkeypatch):
     for var in ("MUSE_MLX_ATTN_CHUNK", "MUSE_MLX_COMBINE_WARPS"):
         monkeypatch.delenv(var, raising=False)
     s = kernels.settings()
-    assert (s.attn_chunks, s.combine_warps) == ((kernels.RING_CHUNK, kernels.PLANE_CHUNK), kernels.COMBINE_WARPS)
+    assert (s.attn_chunks, s.combine_warps, s.attn_loop) == ((kernels.RING_CHUNK, kernels.PLANE_CHUNK), 0, "butterfly")
     monkeypatch.setenv("MUSE_MLX_ATTN_CHUNK", "16,512")
     monkeypatch.setenv("MUSE_MLX_COMBINE_WARPS", "auto")
     s = kernels.settings()
@@ -135,6 +135,6 @@ def test_attention_knobs_parse_and_reject(monkeypatch):
 
 
 def test_combine_warps_scale_with_the_splits():
-    """auto (0): one simdgroup per 16 splits, between 4 and 32; a number is taken as given."""
+    """auto (0, the default): one simdgroup per 16 splits, between 4 and 32; a number is taken as given."""
     assert [kernels.combine_warps(n, 0) for n in (1, 64, 65, 257, 512, 513, 8193)] == [4, 4, 5, 17, 32, 32, 32]
     assert kernels.combine_warps(257, 6) == 6

@@ -104,9 +104,9 @@ def test_decode_attention(metal, n_head, n_kv, hd, cap, n_valid, chunk, rows):
     if rows.startswith("butterfly"):
         metal.setenv("MUSE_MLX_ATTN_LOOP", "butterfly")
     else:
+        metal.setenv("MUSE_MLX_ATTN_LOOP", "rows")
         metal.setenv("MUSE_MLX_ATTN_ROWS", rows)
-    if rows.endswith("-cw6"):
-        metal.setenv("MUSE_MLX_COMBINE_WARPS", "6")
+    metal.setenv("MUSE_MLX_COMBINE_WARPS", "6" if rows.endswith("-cw6") else "4")
     rng = np.random.default_rng([n_head, hd, cap, n_valid])
     q = rng.standard_normal((n_head, hd)).astype(np.float32)
     keys = (0.5 * rng.standard_normal((n_kv, cap, hd))).astype(np.float16)

@@ -116,9 +116,10 @@ def test_kernel_path_logits_match_reference_path(fixture_files, name):
     check_logits(fixture_files, name)
 
 
-# Attention settings measured as candidates (docs/kernels.md, "Sixth session"), each checked
-# end to end before it may become a default.
-CANDIDATE_SETTINGS = {"butterfly": {"MUSE_MLX_ATTN_LOOP": "butterfly"},
+# Attention settings other than the defaults (the former default, candidates measured in
+# docs/kernels.md "Sixth session"), each checked end to end.
+CANDIDATE_SETTINGS = {"rows": {"MUSE_MLX_ATTN_LOOP": "rows", "MUSE_MLX_COMBINE_WARPS": "4"},   # the default to 3d07fff
+                      "butterfly": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_COMBINE_WARPS": "4"},
                       "butterfly-small-auto": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_ATTN_CHUNK": "16,64",
                                                "MUSE_MLX_COMBINE_WARPS": "auto"}}
 
@@ -244,18 +245,24 @@ def test_matvec_float(qtype):
     ("ring-before-wrap", 2048, 1), ("ring-before-wrap", 2048, 700), ("ring-full", 2048, 2048),
     ("plane", 131072, 5), ("plane", 131072, 32768), ("plane", 131072, 100_003), ("plane", 131072, 131072),
 ])
-@pytest.mark.parametrize("rows", ["1", "8", "butterfly", "butterfly-small-auto"])
+@pytest.mark.parametrize("rows", ["default", "1", "8", "butterfly", "butterfly-small-auto"])
 def test_decode_attention(kind, cap, n_valid, rows, monkeypatch):
-    """Rows of K/V loaded one at a time or eight together (MUSE_MLX_ATTN_ROWS), or the butterfly
-    loop (MUSE_MLX_ATTN_LOOP); -small-auto: splits of 16 / 64 rows (ring / plane) and the
+    """The defaults (no MUSE_MLX_* set); rows of K/V loaded one at a time or eight together
+    (MUSE_MLX_ATTN_ROWS) in the rows loop, or the butterfly loop (MUSE_MLX_ATTN_LOOP), each with
+    the combine in 4 simdgroups; -small-auto: splits of 16 / 64 rows (ring / plane) and the
     combine's simdgroups scaled with the splits (MUSE_MLX_COMBINE_WARPS=auto: up to 32)."""
-    if rows.startswith("butterfly"):
+    for var in ("MUSE_MLX_ATTN_LOOP", "MUSE_MLX_ATTN_ROWS", "MUSE_MLX_COMBINE_WARPS", "MUSE_MLX_ATTN_CHUNK"):
+        monkeypatch.delenv(var, raising=False)
+    if rows == "default":
+        pass
+    elif rows.startswith("butterfly"):
         monkeypatch.setenv("MUSE_MLX_ATTN_LOOP", "butterfly")
     else:
+        monkeypatch.setenv("MUSE_MLX_ATTN_LOOP", "rows")
         monkeypatch.setenv("MUSE_MLX_ATTN_ROWS", rows)
     small = rows.endswith("-small-auto")
-    if small:
-        monkeypatch.setenv("MUSE_MLX_COMBINE_WARPS", "auto")
+    if rows != "default":
+        monkeypatch.setenv("MUSE_MLX_COMBINE_WARPS", "auto" if small else "4")
     rng = np.random.default_rng([SEED, cap, n_valid])
     n_head, n_kv, hd = 32, 2, 128
     q = mx.array(rng.standard_normal((n_head, hd)).astype(np.float32))
