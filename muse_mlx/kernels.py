@@ -94,6 +94,18 @@ def combine_warps(nsplit: int, setting: int) -> int:
     return setting if setting else max(COMBINE_WARPS, min(32, -(-nsplit // 16)))
 
 
+def fuse_norm() -> bool:
+    """Whether the decode step makes each sub-layer's residual step (post-norm, residual add,
+    next input norm) inside the matvec that consumes it (MUSE_MLX_FUSE_NORM=1; matvec_resnorm)
+    instead of in a residual_norm launch of its own, where every consumer streams. Off by default:
+    it removes 104 of a token's ~600 graph nodes (the host's cost scales with them, docs/kernels.md
+    "Sixth session"), not yet timed on a GPU."""
+    value = os.environ.get("MUSE_MLX_FUSE_NORM", "") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"MUSE_MLX_FUSE_NORM must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
 
@@ -124,6 +136,7 @@ class Settings(NamedTuple):
     attn_loop: str        # attention_loop()
     attn_chunks: tuple    # attention_chunks(): (ring, plane) rows per split
     combine_warps: int    # combine_warps_setting(): 0 = scaled with the splits
+    fuse_norm: bool       # fuse_norm(): the residual step inside the consuming matvec
 
 
 _frozen: Settings | None = None
@@ -137,7 +150,8 @@ def settings() -> Settings:
     if _frozen is not None:
         return _frozen
     return Settings(backend(), matvec_loop(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""),
-                    attention_prefetch_rows(), attention_loop(), attention_chunks(), combine_warps_setting())
+                    attention_prefetch_rows(), attention_loop(), attention_chunks(), combine_warps_setting(),
+                    fuse_norm())
 
 
 @contextmanager
@@ -176,6 +190,12 @@ def render(family: str, parts: list[str], which: str) -> tuple[str, str]:
     """(header, source) of one kernel for backend `which` ('metal' or 'cuda'), comments stripped."""
     body = sections(family)
     header = strip_comments(_read(f"dialect_{which}.h") + "\n" + _read("blocks.h"))
+    if which == "cuda" and "x_resnorm" in parts:
+        # MLX declares the kernel itself (`__global__ void name(...)`, after this header) and
+        # passes no register limit, so ptxas gave the residual-step prologue 130-152 registers a
+        # thread (a multiprocessor then holds 3 of the plan's 4 threadgroups). The qualifier
+        # caps it at 65,536 / 512 = 128 (stream_threads never exceeds 512).
+        header += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({STREAM_MAX_THREADS})\n"
     source = strip_comments(_read(f"indices_{which}.h") + "\n" + "".join(body[p] for p in parts))
     return header, source
 
@@ -193,6 +213,11 @@ KERNELS = {
        for loop, keep, head in (("stream", "registers", "direct"), ("staged", "registers", "staged"),
                                 ("sharedx", "shared", "direct"))
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+       for v in ("q4_k", "q6_k")},
+    # the same with the residual step made in the prologue (x_resnorm): y and the new residual
+    **{f"matvec_stream_resnorm_{v}": ("matvec_stream", ["prologue", v, "x_resnorm", f"{v}_sums", "loop_direct",
+                                                         f"{v}_rows", "epilogue"],
+                                      ["w", "xres", "f", "w_post", "w_next", "eps"], ["y", "x_out"])
        for v in ("q4_k", "q6_k")},
     "attention_partial": ("attention", ["partial"], ["q", "keys", "values", "params"], ["part_o", "part_ml"]),
     "attention_partial_butterfly": ("attention", ["partial_butterfly"], ["q", "keys", "values", "params"],
@@ -404,6 +429,20 @@ def matvec_silu(w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset:
     return _stream_launch(w, qtype, K, "_silu", [gate, up], [("UP_OFF", up_offset)], init_value)
 
 
+def matvec_resnorm(w: mx.array, qtype: QT, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array,
+                   eps: mx.array, init_value: float | None = None) -> tuple[mx.array, mx.array]:
+    """W @ h for one token, where h is made inside the streaming kernel from a sub-layer's output:
+    r = x + rmsnorm(f, eps[0]) * w_post, h = rmsnorm(r, eps[1]) * w_next (what residual_norm
+    computes, one launch and one graph node fewer). x, f, w_post, w_next: K float32 values;
+    streams(qtype, K) must hold. Returns ((1, N) float32 product, (1, K) float32 r)."""
+    K = w.shape[1] // QT_ROW_BYTES_PER_256[qtype] * 256
+    s = settings()
+    name, shared_bytes, launch = _stream_launch_args(qtype, K, w.shape[0], "_resnorm", (), s)
+    y, r = kernel(name, s.backend, shared_bytes)(inputs=[w, x, f, w_post, w_next, eps], init_value=init_value,
+                                                 **launch)
+    return y, r
+
+
 def _stream_launch(w: mx.array, qtype: QT, K: int, act: str, x_inputs: list, extra: list,
                    init_value: float | None) -> mx.array:
     """One launch of a streaming matvec (matvec_stream.inc) over the raw rows w: (1, N) float32."""
@@ -419,12 +458,16 @@ def _stream_launch_args(qtype: QT, K: int, N: int, act: str, extra: tuple, s: Se
     `kernel` for an emulator)."""
     variant = STREAM_VARIANTS[qtype][0]
     tpg = stream_threads(K)
-    plan = _stream_plan(qtype, K, N, s.matvec, s.backend, s.stream_groups)
+    resnorm = act == "_resnorm"   # x made in the prologue: the direct loop only, a second output
+    plan = _stream_plan(qtype, K, N, "stream" if resnorm else s.matvec, s.backend, s.stream_groups)
+    if resnorm:   # 2 rows loaded together: within 128 registers without spills (ptxas, sm_90a; Q4_K at 4 spills)
+        plan = plan._replace(rows_loaded=min(plan.rows_loaded, 2))
     template = [("K", K), ("N", N), ("TPG", tpg), ("R", plan.rows), ("RF", plan.rows_loaded),
                 ("RB", K // 256 * QT_ROW_BYTES_PER_256[qtype]), ("NS", plan.stages), *extra]
+    shapes = [(1, N), (1, K)] if resnorm else [(1, N)]
     return _stream_name(plan.loop, variant, act), plan.shared_bytes, dict(
-        template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
-        output_dtypes=[mx.float32], stream=mx.gpu)
+        template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=shapes,
+        output_dtypes=[mx.float32] * len(shapes), stream=mx.gpu)
 
 
 # ---- decode attention ----------------------------------------------------------------

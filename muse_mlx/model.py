@@ -75,6 +75,36 @@ class Projection(nn.Module):
         return x @ dequantize(self.blocks, self.qtype).T
 
 
+    def streams_one_token(self) -> bool:
+        """Whether a one-token product takes the streaming kernel (kernels.streams)."""
+        return self.use_kernels and kernels.streams(self.qtype, self.shape[0])
+
+
+class ResidualStep:
+    """The normed input h of a sub-layer in a decode token, as the projections that read it need it.
+
+    Either given (the first layer: h and the residual x), or pending: h = rmsnorm(r)·w_next with
+    r = x + rmsnorm(f)·w_post, the previous sub-layer's output f joining the residual.
+    `project(projections)` returns each projection of h (one token) and sets `residual` to r.
+    With kernels.settings().fuse_norm and every projection streaming, each makes h in its own
+    prologue (kernels.matvec_resnorm: no residual_norm launch); otherwise h is made once
+    (kernels.residual_norm) and multiplied as usual."""
+
+    def __init__(self, x: mx.array, f: mx.array | None = None, w_post: mx.array | None = None,
+                 w_next: mx.array | None = None, eps: mx.array | None = None, h: mx.array | None = None):
+        self.residual, self.h = (x, h) if h is not None else (None, None)
+        self.pending = (x, f, w_post, w_next, eps)
+
+    def project(self, projections: list[Projection]) -> list[mx.array]:
+        if self.h is None:
+            if kernels.settings().fuse_norm and all(p.streams_one_token() for p in projections):
+                outs = [kernels.matvec_resnorm(p.blocks, p.qtype, *self.pending) for p in projections]
+                self.residual = outs[0][1]
+                return [y for y, _ in outs]
+            self.residual, self.h = kernels.residual_norm(*self.pending)
+        return [p(self.h) for p in projections]
+
+
 def _stackable(raws: list[RawTensor]) -> bool:
     return len({r.qtype for r in raws}) == 1
 
@@ -210,20 +240,21 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(g.head_dim)
         self.eps = mx.array([g.rms_eps], dtype=mx.float32)
 
-    def decode_one(self, h: mx.array, rope: mx.array, cache, params: dict) -> mx.array:
-        """The kernel path's attention for one token: h (1, n_embd) normed input -> Wo output (1, n_embd).
+    def decode_one(self, step: ResidualStep, rope: mx.array, cache, params: dict) -> mx.array:
+        """The kernel path's attention for one token: its normed input (a ResidualStep) -> Wo output (1, n_embd).
 
         The same math as __call__, in fewer launches: q/k RMSNorm, RoPE and the f16 rounding
         of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
         combine step. `params` shares the attention scalars among the layers of a kind."""
         g = self.g
         if "wqkg" in self:  # one stacked product; the kernels read q, k, the gate (and v) at their offsets
-            q = k = gate = self.wqkg(h)
+            outs = step.project([self.wqkg] if self.v_stacked else [self.wqkg, self.wv])
+            q = k = gate = outs[0]
             offsets = (0, g.q_dim, g.q_dim + g.kv_dim)
+            v, v_offset = (q, 2 * g.q_dim + g.kv_dim) if self.v_stacked else (outs[1], 0)
         else:
-            q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
-            offsets = (0, 0, 0)
-        v, v_offset = (q, 2 * g.q_dim + g.kv_dim) if self.v_stacked else (self.wv(h), 0)
+            q, k, gate, v = step.project([self.wq, self.wk, self.wgate, self.wv])
+            offsets, v_offset = (0, 0, 0), 0
         rope_half = g.rope_dim // 2 if self.sliding else 0
         q, k16, v16 = kernels.qk_post(q, k, v, self.q_norm, self.k_norm, rope, rope_half, self.eps,
                                       g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1], v_offset=v_offset)
@@ -281,17 +312,17 @@ class FeedForward(nn.Module):
         self.wdown = Projection(t["ffn_down"], use_kernels)
         self.post_norm = _vector(t["post_ffw_norm"])
 
-    def decode_one(self, h: mx.array) -> mx.array:
-        """The kernel path for one token: h (1, n_embd) normed input -> Wdown output (1, n_embd)."""
+    def decode_one(self, step: ResidualStep) -> mx.array:
+        """The kernel path for one token: its normed input (a ResidualStep) -> Wdown output (1, n_embd)."""
         down = self.wdown
         fused = down.use_kernels and kernels.streams(down.qtype, self.n_ff)  # the activation made inside the product
         if "wgate_up" in self:
-            gu = self.wgate_up(h)
+            (gu,) = step.project([self.wgate_up])
             if fused:
                 return kernels.matvec_silu(down.blocks, down.qtype, gu, gu, up_offset=self.n_ff)
             gate, up = gu[:, :self.n_ff], gu[:, self.n_ff:]
         else:
-            gate, up = self.wgate(h), self.wup(h)
+            gate, up = step.project([self.wgate, self.wup])
             if fused:
                 return kernels.matvec_silu(down.blocks, down.qtype, gate, up)
         return down(_silu_mul(gate, up))
@@ -394,14 +425,16 @@ class Model(nn.Module):
         x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
         h = mx.fast.rms_norm(x, self.blocks[0].attention.attn_norm, g.rms_eps)
         params: dict = {}
+        step = ResidualStep(x, h=h)
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
             att, ffn = block.attention, block.feed_forward
-            o = att.decode_one(h, rope, layer_cache, params)
-            x, h = kernels.residual_norm(x, o, att.post_norm, ffn.ffn_norm, self.eps_post_rms)
-            f = ffn.decode_one(h)
+            o = att.decode_one(step, rope, layer_cache, params)
+            step = ResidualStep(step.residual, o, att.post_norm, ffn.ffn_norm, self.eps_post_rms)
+            f = ffn.decode_one(step)
             w_next = self.blocks[i + 1].attention.attn_norm if i + 1 < len(self.blocks) else self.output_norm
-            x, h = kernels.residual_norm(x, f, ffn.post_norm, w_next, self.eps_post_rms)
-        return _final_logits(self.output(h), g.logit_scale, g.final_logit_softcap)
+            step = ResidualStep(step.residual, f, ffn.post_norm, w_next, self.eps_post_rms)
+        (logits,) = step.project([self.output])
+        return _final_logits(logits, g.logit_scale, g.final_logit_softcap)
 
     def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK,
                 all_logits: bool = False) -> mx.array:

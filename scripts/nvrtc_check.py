@@ -36,6 +36,11 @@ CASES = [
        [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf), ("RB", k // 256 * rb),
         ("NS", 1)])
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for k in (256, 4096, 6656, 19968) for rf in (2, 4)],
+    *[(f"matvec_stream_resnorm_{v}", ["uint8", "float32", "float32", "float32", "float32", "float32"],
+       ["float32", "float32"],
+       [("K", k), ("N", 8704), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf), ("RB", k // 256 * rb),
+        ("NS", 1)])
+      for v, rb, rf in (("q4_k", 144, 2), ("q6_k", 210, 2)) for k in (256, 6656)],
     *[(f"matvec_staged_{v}", ["uint8", "float32"], ["float32"],
        [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", r), ("RF", min(2, r)), ("RB", k // 256 * rb),
         ("NS", ns)])

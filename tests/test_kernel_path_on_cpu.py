@@ -71,11 +71,22 @@ def residual_norm(x, f, w_post, w_next, eps, init_value=None):
     return x_out, mx.fast.rms_norm(x_out, w_next, eps[1].item())
 
 
+RESNORM_CALLS = []
+
+
+def matvec_resnorm(w, qtype, x, f, w_post, w_next, eps, init_value=None):
+    assert kernels.streams(qtype, x.shape[-1])
+    RESNORM_CALLS.append(w.shape[0])
+    x_out, h = residual_norm(x, f, w_post, w_next, eps)
+    return matvec(w, qtype, h), x_out
+
+
 @pytest.fixture
 def standins(monkeypatch):
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    for fn in (matvec, matvec_silu, qk_post, decode_attention, residual_norm):
+    for fn in (matvec, matvec_silu, qk_post, decode_attention, residual_norm, matvec_resnorm):
         monkeypatch.setattr(kernels, fn.__name__, fn)
+    RESNORM_CALLS.clear()
 
 
 def log_softmax(x):
@@ -93,10 +104,14 @@ def run(path, tokens, prefill, use_kernels):
     return np.concatenate(rows), cache
 
 
-@pytest.mark.parametrize("layout", ["f32", "q4_k_m"])
-def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture, tmp_path, layout):
+@pytest.mark.parametrize("layout, fuse", [("f32", "0"), ("q4_k_m", "0"), ("q4_k_m", "1")])
+def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture, tmp_path, layout, fuse,
+                                                          monkeypatch):
     """Prefill 100 (dequantizing path) + 3 (batched matvecs), then decode steps past the ring
-    wrap; the stand-ins compute in float32 like the kernels, so the two paths agree closely."""
+    wrap; the stand-ins compute in float32 like the kernels, so the two paths agree closely.
+    fuse=1 (MUSE_MLX_FUSE_NORM): the residual steps inside the streaming products that consume
+    them (matvec_resnorm), in every layer of the Q4_K_M layout and before the LM head."""
+    monkeypatch.setenv("MUSE_MLX_FUSE_NORM", fuse)
     g = DEFAULT_GEOMETRY
     path = f32_fixture if layout == "f32" else write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=3)
     tokens = np.random.default_rng(5).integers(0, g.n_vocab, 103 + 2 * g.sliding_window)
@@ -107,6 +122,9 @@ def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture,
     for t in tokens[103:]:
         ref.append(np.array(model(mx.array([int(t)]), ref_cache)))
     ref = np.concatenate(ref)
+    decode_steps = len(tokens) - 103
+    # per decode token: each layer's FFN gate|up and its next input's Q|K|gate(|V) and V, the LM head
+    assert (len(RESNORM_CALLS) > decode_steps * 2 * g.n_layer) == (fuse == "1"), len(RESNORM_CALLS)
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     assert d.max() < 2e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), d.max()
     for a, b in zip(cache.state(), ref_cache.state()):  # the same rows written where they belong

@@ -72,6 +72,34 @@ def test_streaming_matvec_silu(metal, qtype, loop):
     assert err_over_terms(out[0], W @ act, np.abs(W) @ np.abs(act)) < 1e-6
 
 
+def resnorm_ref(x, f, w_post, w_next, eps):
+    """float64: r = x + rmsnorm(f, eps[0]) * w_post, h = rmsnorm(r, eps[1]) * w_next."""
+    x, f, w_post, w_next = (np.asarray(a, np.float64).reshape(-1) for a in (x, f, w_post, w_next))
+    r = x + f / np.sqrt((f * f).mean() + eps[0]) * w_post
+    return r, r / np.sqrt((r * r).mean() + eps[1]) * w_next
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n, k", [(37, 768), (9, 2304)])
+def test_streaming_matvec_resnorm(metal, qtype, n, k):
+    """The residual step made in the product's prologue (x_resnorm): the product against float64
+    and the residual written once, whole (outputs start as NaN); 2,304 values leave 28 of 64
+    threads without a unit."""
+    rng = np.random.default_rng([n, k, int(qtype), 77])
+    w = random_blocks(n, k, qtype, rng)
+    x, f = rng.standard_normal((1, k)).astype(np.float32), (3 * rng.standard_normal((1, k))).astype(np.float32)
+    w_post, w_next = (rng.uniform(0.5, 1.5, k).astype(np.float32) for _ in range(2))
+    eps = np.array([1e-8, 1e-6], np.float32)
+    y, r_out = kernels.matvec_resnorm(mx.array(w), qtype, mx.array(x), mx.array(f), mx.array(w_post),
+                                      mx.array(w_next), mx.array(eps), init_value=NAN)
+    r, h = resnorm_ref(x, f, w_post, w_next, eps.astype(np.float64))
+    W = dense(w, qtype, n, k)
+    y, r_out = np.array(y), np.array(r_out)
+    assert np.isfinite(y).all() and np.isfinite(r_out).all()
+    assert np.abs(r_out[0] - r).max() < 1e-5 * np.abs(r).max()
+    assert err_over_terms(y[0], W @ h, np.abs(W) @ np.abs(h)) < 1e-6
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.NVFP4, QT.F16, QT.F32],
                          ids=lambda t: t.name)
 def test_batched_matvec(metal, qtype):

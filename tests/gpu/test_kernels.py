@@ -121,7 +121,8 @@ def test_kernel_path_logits_match_reference_path(fixture_files, name):
 CANDIDATE_SETTINGS = {"rows": {"MUSE_MLX_ATTN_LOOP": "rows", "MUSE_MLX_COMBINE_WARPS": "4"},   # the default to 3d07fff
                       "butterfly": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_COMBINE_WARPS": "4"},
                       "butterfly-small-auto": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_ATTN_CHUNK": "16,64",
-                                               "MUSE_MLX_COMBINE_WARPS": "auto"}}
+                                               "MUSE_MLX_COMBINE_WARPS": "auto"},
+                      "fuse-norm": {"MUSE_MLX_FUSE_NORM": "1"}}   # exercised where the products stream (Q4_K_M)
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
@@ -234,6 +235,32 @@ def test_matvec_silu(qtype, shape, loop, monkeypatch):
     ok = bool(np.isfinite(out).all() and err < 1e-5)
     record("matvec_silu", qtype=qtype.name, n=n, k=k, loop=loop, err_over_terms=err, **{"pass": ok})
     assert ok, err
+
+
+@pytest.mark.parametrize("qtype, n", [(QT.Q4_K, 39936), (QT.Q4_K, 8704), (QT.Q6_K, 256), (QT.Q6_K, 8704),
+                                      (QT.Q4_K, 37)], ids=lambda v: getattr(v, "name", str(v)))
+def test_matvec_resnorm(qtype, n):
+    """The residual step made in the product's prologue (MUSE_MLX_FUSE_NORM): FFN gate|up,
+    Q|K|gate|V, V, and a matrix of fewer rows than threadgroups, at the pinned row length
+    6,656, against float64; the residual output written whole (outputs start as NaN)."""
+    k = 6656
+    rng = np.random.default_rng([SEED, n, int(qtype), 11])
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    x, f = rng.standard_normal((1, k)).astype(np.float32), (3 * rng.standard_normal((1, k))).astype(np.float32)
+    w_post, w_next = (rng.uniform(0.5, 1.5, k).astype(np.float32) for _ in range(2))
+    eps = np.array([1e-8, 1e-6], np.float32)
+    y, r_out = kernels.matvec_resnorm(w, qtype, mx.array(x), mx.array(f), mx.array(w_post), mx.array(w_next),
+                                      mx.array(eps), init_value=float("nan"))
+    x64, f64 = x[0].astype(np.float64), f[0].astype(np.float64)
+    r = x64 + f64 / np.sqrt((f64 * f64).mean() + 1e-8) * w_post
+    h = r / np.sqrt((r * r).mean() + float(eps[1])) * w_next
+    dense = np.array(dequantize(w, qtype)).astype(np.float64)
+    y, r_out = np.array(y).astype(np.float64)[0], np.array(r_out).astype(np.float64)[0]
+    err = product_err(y, dense @ h, np.abs(dense) @ np.abs(h))
+    r_err = float(np.abs(r_out - r).max() / np.abs(r).max())
+    ok = bool(np.isfinite(y).all() and np.isfinite(r_out).all() and err < 1e-5 and r_err < 1e-5)
+    record("matvec_resnorm", qtype=qtype.name, n=n, k=k, err_over_terms=err, residual_rel_err=r_err, **{"pass": ok})
+    assert ok, (err, r_err)
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
