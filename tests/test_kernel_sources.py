@@ -134,6 +134,25 @@ def test_attention_knobs_parse_and_reject(monkeypatch):
             kernels.settings()
 
 
+def test_fuse_norm_knob(monkeypatch):
+    monkeypatch.delenv("MUSE_MLX_FUSE_NORM", raising=False)
+    assert kernels.settings().fuse_norm is False
+    monkeypatch.setenv("MUSE_MLX_FUSE_NORM", "1")
+    assert kernels.settings().fuse_norm is True
+    monkeypatch.setenv("MUSE_MLX_FUSE_NORM", "yes")
+    with pytest.raises(ValueError, match="MUSE_MLX_FUSE_NORM"):
+        kernels.settings()
+
+
+def test_only_the_fused_prologue_gets_a_register_cap():
+    """The __launch_bounds__ redefinition (kernels.render) goes only into the CUDA header of the
+    kernels with the x_resnorm prologue: the others keep the code the GPU checks ran."""
+    for name, (family, parts, _, _) in kernels.KERNELS.items():
+        header, _ = kernels.render(family, parts, "cuda")
+        assert ("__launch_bounds__" in header) == ("x_resnorm" in parts), name
+        assert "__launch_bounds__" not in kernels.render(family, parts, "metal")[0]
+
+
 def test_combine_warps_scale_with_the_splits():
     """auto (0, the default): one simdgroup per 16 splits, between 4 and 32; a number is taken as given."""
     assert [kernels.combine_warps(n, 0) for n in (1, 64, 65, 257, 512, 513, 8193)] == [4, 4, 5, 17, 32, 32, 32]
