@@ -103,12 +103,19 @@ def decode_cell(model, depth: int, tokens: int, reps: int, warmup: int) -> dict:
         host_ms.append(host * 1e3 / max(1, tokens - 1))
         return tokens / (time.perf_counter() - t)
 
-    out = {"depth": depth, "tokens_per_rep": tokens, "kv_fill": "random f16 rows (synthetic)"}
+    out = {"depth": depth, "tokens_per_rep": tokens, "kv_fill": "random f16 rows (synthetic)",
+           "largest_kv_array_bytes": max(a.nbytes for a in cache.state())}
     for name, fn in (("synced", synced), ("pipelined", pipelined)):
         for _ in range(warmup):
             fn()
         host_ms.clear()
+        mx.eval(cache.state())
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
         out[f"tok_s_{name}"] = _stats([fn() for _ in range(reps)])
+        # A K/V row write whose storage is still held elsewhere (e.g. by a step the GPU has not
+        # finished) copies the whole array: the peak then rises by at least one storage array.
+        out[f"peak_over_active_bytes_{name}"] = mx.get_peak_memory() - base
     # Host time to build and submit one step (graph construction + async_eval), pipelined: when
     # it approaches the time per token, the host, not the GPU, sets the pace.
     out["host_ms_per_token_pipelined"] = _stats(host_ms)

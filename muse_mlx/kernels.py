@@ -107,6 +107,18 @@ def fuse_norm() -> bool:
     return value == "1"
 
 
+def compile_step() -> bool:
+    """Whether the decode step's layers run as one compiled MLX function (MUSE_MLX_COMPILE=1;
+    Model._compiled_layers, decode_kv.TracedRows): traced once per attention split count
+    (attention_splits) and replayed from MLX's C++ for every token after, so the Python that
+    builds a token's ~600 graph nodes runs only at trace time. Off by default until measured on
+    the GPU (docs/kernels.md "Seventh session")."""
+    value = os.environ.get("MUSE_MLX_COMPILE", "") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"MUSE_MLX_COMPILE must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
 
@@ -138,6 +150,7 @@ class Settings(NamedTuple):
     attn_chunks: tuple    # attention_chunks(): (ring, plane) rows per split
     combine_warps: int    # combine_warps_setting(): 0 = scaled with the splits
     fuse_norm: bool       # fuse_norm(): the residual step inside the consuming matvec
+    compile_step: bool    # compile_step(): the decode step's layers as one compiled function
 
 
 _frozen: Settings | None = None
@@ -152,7 +165,7 @@ def settings() -> Settings:
         return _frozen
     return Settings(backend(), matvec_loop(), os.environ.get("MUSE_MLX_STREAM_GROUPS", ""),
                     attention_prefetch_rows(), attention_loop(), attention_chunks(), combine_warps_setting(),
-                    fuse_norm())
+                    fuse_norm(), compile_step())
 
 
 @contextmanager
@@ -478,23 +491,47 @@ def _warps_for(group: int) -> int:
     return next(nw for nw in (4, 3, 2, 1) if group % nw == 0)
 
 
-def attention_params(n_valid: int, chunk: int) -> mx.array:
-    """The runtime scalars of decode_attention: rows visible and splits (int32[8], see docs/kernels.md)."""
-    return mx.array([n_valid, max(1, -(-n_valid // chunk)), 0, 0, 0, 0, 0, 0], dtype=mx.int32)
+def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.array:
+    """The runtime scalars of decode_attention: rows visible and splits (int32[8], see docs/kernels.md).
+    `splits` defaults to the fewest that cover n_valid; more (attention_splits) leave the extra
+    splits empty, which the combine weighs at zero."""
+    splits = max(1, -(-n_valid // chunk)) if splits is None else splits
+    if splits * chunk < n_valid:
+        raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")
+    return mx.array([n_valid, splits, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
 
 
-def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int, chunk: int,
+def attention_splits(n_valid: int, chunk: int, capacity: int) -> int:
+    """A split count for n_valid rows that stays the same over many tokens, for a compiled step
+    (whose grids are fixed at trace time): the fewest splits, rounded up to a multiple of a
+    quarter of their highest power of two (at most 25 % of them empty; about four counts per
+    doubling of the depth), and at most the splits of the whole storage."""
+    need = max(1, -(-n_valid // chunk))
+    step = 1 << max(0, need.bit_length() - 3)
+    return min(-(-need // step) * step, max(need, -(-capacity // chunk)))
+
+
+def decode_attention(q: mx.array, keys: mx.array, values: mx.array, n_valid: int | None, chunk: int,
                      init_value: float | None = None, gate: mx.array | None = None, gate_offset: int = 0,
-                     params: mx.array | None = None, out_shape: tuple | None = None) -> mx.array:
+                     params: mx.array | None = None, out_shape: tuple | None = None,
+                     splits: int | None = None) -> mx.array:
     """One query token over rows 0..n_valid-1 of (n_kv, CAP, HD) f16 K/V. q (n_head, HD) -> (n_head, HD) f32.
 
     With `gate` (n_head * HD values from `gate_offset`), the output is multiplied by sigmoid(gate)
     (the attention output gate, model.output_gate) in the same launch. `params` may be passed in
     precomputed (attention_params(n_valid, chunk)): every layer of a kind shares it within a token.
-    `out_shape` reshapes the result in the launch itself (default (n_head, HD))."""
+    With `splits` the grid has that many splits and the rows visible are read only from `params`
+    (attention_params(n_valid, chunk, splits), built outside; n_valid may then be None): a compiled
+    step's trace serves every depth those splits cover. `out_shape` reshapes the result in the
+    launch itself (default (n_head, HD))."""
     s = settings()
-    nsplit = max(1, -(-n_valid // chunk))
-    params = attention_params(n_valid, chunk) if params is None else params
+    if splits is None:
+        nsplit = max(1, -(-n_valid // chunk))
+        params = attention_params(n_valid, chunk) if params is None else params
+    elif params is None:
+        raise ValueError("decode_attention with `splits` needs its `params` (attention_params(n_valid, chunk, splits))")
+    else:
+        nsplit = splits
     partial, combine = _attention_launch_args(q.shape, keys.shape, chunk, nsplit, gate is not None, gate_offset,
                                               out_shape, s.attn_rows, combine_warps(nsplit, s.combine_warps))
     partial_name = "attention_partial" if s.attn_loop == "rows" else "attention_partial_butterfly"

@@ -55,6 +55,14 @@ class _Rows:
     def state(self) -> list[mx.array]:
         return [self.keys, self.values]
 
+    def rebind(self, keys: mx.array, values: mx.array, n_new: int) -> None:
+        """Take `keys` and `values` (this storage with rows for the next n_new positions already
+        written at `next_row` on: a compiled step's outputs) as the storage, n_new tokens on."""
+        if keys.shape != self.keys.shape or values.shape != self.values.shape:
+            raise ValueError(f"rebind needs storage of shape {self.keys.shape}, got {keys.shape} / {values.shape}")
+        self.keys, self.values = keys, values
+        self.offset += n_new
+
 
 class SlidingRing(_Rows):
     """A sliding-window layer's ring of min(C, W) rows."""
@@ -66,6 +74,8 @@ class SlidingRing(_Rows):
     @property
     def write_pointer(self) -> int:
         return self.offset % self.capacity
+
+    next_row = write_pointer  # the row the next position is written to
 
     @property
     def origin(self) -> int:
@@ -100,6 +110,13 @@ class GrowingPlane(_Rows):
 
     def row_positions(self) -> np.ndarray:
         return np.arange(self.offset, dtype=np.int64)
+
+    @property
+    def next_row(self) -> int:
+        """The row the next position is written to."""
+        if self.offset >= self.capacity:
+            raise ContextLimitError(f"context full: the slot's {self.capacity} positions are used")
+        return self.offset
 
     def view(self) -> tuple[mx.array, mx.array, np.ndarray]:
         return self.keys[:, :self.offset, :], self.values[:, :self.offset, :], self.row_positions()
@@ -155,3 +172,10 @@ class SlotCache:
 
     def state(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.state()]
+
+    def rebind(self, state: list[mx.array], n_new: int) -> None:
+        """Take `state` (as state() lists it, n_new more positions written) as every layer's storage."""
+        if len(state) != 2 * len(self.layers):
+            raise ValueError(f"rebind needs {2 * len(self.layers)} arrays, got {len(state)}")
+        for i, layer in enumerate(self.layers):
+            layer.rebind(state[2 * i], state[2 * i + 1], n_new)

@@ -34,6 +34,7 @@ import numpy as np
 from .artifact import Artifact, RawTensor
 from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
 from . import kernels
+from .decode_kv import EagerRows, TracedRows, step_plan
 from .kv import KV_DTYPE, SlotCache
 from .quant import dequantize
 
@@ -240,12 +241,13 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(g.head_dim)
         self.eps = mx.array([g.rms_eps], dtype=mx.float32)
 
-    def decode_one(self, step: ResidualStep, rope: mx.array, cache, params: dict) -> mx.array:
+    def decode_one(self, step: ResidualStep, rope: mx.array, kv, layer: int) -> mx.array:
         """The kernel path's attention for one token: its normed input (a ResidualStep) -> Wo output (1, n_embd).
 
         The same math as __call__, in fewer launches: q/k RMSNorm, RoPE and the f16 rounding
         of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
-        combine step. `params` shares the attention scalars among the layers of a kind."""
+        combine step. `kv` (decode_kv: EagerRows or TracedRows) writes layer `layer`'s row and
+        attends over its rows."""
         g = self.g
         if "wqkg" in self:  # one stacked product; the kernels read q, k, the gate (and v) at their offsets
             outs = step.project([self.wqkg] if self.v_stacked else [self.wqkg, self.wv])
@@ -258,13 +260,8 @@ class Attention(nn.Module):
         rope_half = g.rope_dim // 2 if self.sliding else 0
         q, k16, v16 = kernels.qk_post(q, k, v, self.q_norm, self.k_norm, rope, rope_half, self.eps,
                                       g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1], v_offset=v_offset)
-        cache.append(k16, v16)
-        n_valid = min(cache.offset, cache.capacity)
-        chunk = kernels.settings().attn_chunks[0 if self.sliding else 1]
-        if (chunk, n_valid) not in params:
-            params[(chunk, n_valid)] = kernels.attention_params(n_valid, chunk)
-        a = kernels.decode_attention(q, cache.keys, cache.values, n_valid, chunk, gate=gate, gate_offset=offsets[2],
-                                     params=params[(chunk, n_valid)], out_shape=(1, g.q_dim))
+        kv.write(layer, k16, v16)
+        a = kv.attend(layer, q, gate=gate, gate_offset=offsets[2], out_shape=(1, g.q_dim))
         return self.wo(a)
 
     def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
@@ -371,6 +368,7 @@ class Model(nn.Module):
         # RMSNorm epsilons of the fused residual step (kernels.residual_norm): post-norm, then the next norm.
         self.eps_post_rms = mx.array([POST_NORM_EPS, g.rms_eps], dtype=mx.float32)
         self._rope_rows = RopeRows(g.rope_dim, g.rope_base_swa)
+        self._compiled_steps: dict = {}   # (settings, StepPlan.trace_key) -> the compiled layers of a token
         mx.eval(self.parameters())
 
     @property
@@ -415,26 +413,51 @@ class Model(nn.Module):
         """One token on the kernel path, in about 13 launches per layer (docs/kernels.md, "decode step").
 
         The same forward pass as __call__, regrouped: each sub-layer's post-norm and residual
-        add are fused with the next sub-layer's input norm (kernels.residual_norm)."""
-        with kernels.frozen_settings():  # the MUSE_MLX_* knobs read once for the token's ~700 launches
-            return self._decode_one(tokens, cache)
+        add are fused with the next sub-layer's input norm (kernels.residual_norm). With
+        MUSE_MLX_COMPILE=1 the layers run as one compiled function (_compiled_layers)."""
+        with kernels.frozen_settings() as s:  # the MUSE_MLX_* knobs read once for the token's ~600 launches
+            g = self.geometry
+            rope = mx.array(self._rope_rows.row(cache.offset))
+            x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
+            if s.compile_step:
+                logits = self._compiled_layers(x, rope, cache, s)
+            else:
+                logits = self._decode_layers(x, rope, EagerRows(cache))
+            return _final_logits(logits, g.logit_scale, g.final_logit_softcap)
 
-    def _decode_one(self, tokens: mx.array, cache: SlotCache) -> mx.array:
+    def _decode_layers(self, x: mx.array, rope: mx.array, kv) -> mx.array:
+        """The layers and the LM head of one token (before the logit scale): x (1, n_embd) normed
+        embedding -> (1, n_vocab); `kv` writes and reads the K/V (decode_kv)."""
         g = self.geometry
-        rope = mx.array(self._rope_rows.row(cache.offset))
-        x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
         h = mx.fast.rms_norm(x, self.blocks[0].attention.attn_norm, g.rms_eps)
-        params: dict = {}
         step = ResidualStep(x, h=h)
-        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+        for i, block in enumerate(self.blocks):
             att, ffn = block.attention, block.feed_forward
-            o = att.decode_one(step, rope, layer_cache, params)
+            o = att.decode_one(step, rope, kv, i)
             step = ResidualStep(step.residual, o, att.post_norm, ffn.ffn_norm, self.eps_post_rms)
             f = ffn.decode_one(step)
             w_next = self.blocks[i + 1].attention.attn_norm if i + 1 < len(self.blocks) else self.output_norm
             step = ResidualStep(step.residual, f, ffn.post_norm, w_next, self.eps_post_rms)
         (logits,) = step.project([self.output])
-        return _final_logits(logits, g.logit_scale, g.final_logit_softcap)
+        return logits
+
+    def _compiled_layers(self, x: mx.array, rope: mx.array, cache: SlotCache, s: kernels.Settings) -> mx.array:
+        """_decode_layers as an mx.compile'd function of (x, rope, the StepPlan's arrays, the K/V
+        storage) -> (logits, the storage with the token's rows written), traced once per settings
+        and StepPlan.trace_key (a new split count: ~4 per doubling of the depth), replayed by MLX
+        for every other token. The slot's storage is rebound to the outputs at once, so the old
+        arrays' only holders are the row writes (which may then write in place)."""
+        plan = step_plan(cache)
+        key = (s, plan.trace_key)
+        fn = self._compiled_steps.get(key)
+        if fn is None:
+            def layers(x, rope, *arrays, plan_key=plan.trace_key, n_plan=len(plan.arrays)):
+                kv = TracedRows(plan_key, list(arrays[:n_plan]), list(arrays[n_plan:]))
+                return [self._decode_layers(x, rope, kv), *kv.state]
+            fn = self._compiled_steps[key] = mx.compile(layers)
+        logits, *state = fn(x, rope, *plan.arrays, *cache.state())
+        cache.rebind(state, 1)
+        return logits
 
     def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK,
                 all_logits: bool = False) -> mx.array:

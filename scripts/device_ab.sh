@@ -9,6 +9,7 @@
 # VARIANTS="tag:VAR=value ..." also times this tree with those settings in each pass
 # (e.g. VARIANTS="butterfly:MUSE_MLX_ATTN_LOOP=butterfly" writes ab-butterfly-{1,2}.json; several
 # settings of one variant joined by "+": "small:MUSE_MLX_ATTN_CHUNK=16,64+MUSE_MLX_COMBINE_WARPS=auto").
+# Without .device/base carried, only this tree and its variants are timed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi
@@ -30,7 +31,7 @@ run_bench() {  # tree tag [VAR=value]
 for round in 1 2; do
   run_bench "$NEW" "new-$round"
   for v in ${VARIANTS:-}; do run_bench "$NEW" "${v%%:*}-$round" "${v#*:}"; done
-  run_bench "$BASE" "base-$round"
+  [ -d "$BASE" ] && run_bench "$BASE" "base-$round"   # skipped when .device/base is not carried
 done
 if [ -n "${GPU_TESTS:-}" ]; then
   PYTHONPATH="$NEW:$PYTHONPATH" MUSE_GIT_REVISION="$(cat .device/revision)" MUSE_GPU_RECEIPT="$OUT/verification.json" \

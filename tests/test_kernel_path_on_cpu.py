@@ -45,21 +45,35 @@ def qk_post(q, k, v, q_norm, k_norm, rope, rope_half, eps, n_head, n_kv, head_di
         x0, x1 = x[:, 0:2 * rope_half:2], x[:, 1:2 * rope_half:2]
         pairs = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x.shape[0], 2 * rope_half)
         return mx.concatenate([pairs, x[:, 2 * rope_half:]], axis=-1)
-    qn = rotate(mx.fast.rms_norm(part(q, q_offset, n_head), q_norm, eps[0].item()))
-    kn = rotate(mx.fast.rms_norm(part(k, k_offset, n_kv), k_norm, eps[0].item()))
+    qn = rotate(rms_norm(part(q, q_offset, n_head), q_norm, eps[0]))
+    kn = rotate(rms_norm(part(k, k_offset, n_kv), k_norm, eps[0]))
     return qn, kn.astype(mx.float16)[:, None], part(v, v_offset, n_kv).astype(mx.float16)[:, None]
 
 
+def rms_norm(x, w, eps):
+    """RMSNorm with eps an array element: traceable by mx.compile (no .item())."""
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+ATTENTION_SPLITS = []   # the `splits` each traced decode_attention was given (a compiled step)
+
+
 def decode_attention(q, keys, values, n_valid, chunk, init_value=None, gate=None, gate_offset=0, params=None,
-                     out_shape=None):
+                     out_shape=None, splits=None):
     n_head, hd = q.shape
-    n_kv = keys.shape[0]
-    if params is not None:
-        assert params[0].item() == n_valid
-    k = keys[:, :n_valid].astype(mx.float32)
-    v = values[:, :n_valid].astype(mx.float32)
+    n_kv, cap = keys.shape[:2]
+    if splits is None:   # eager: the rows visible are a Python number, params must agree
+        assert params is None or params[0].item() == n_valid
+        visible = mx.arange(cap) < n_valid
+    else:                # compiled: only params knows them; the grid's splits must cover them
+        assert n_valid is None and params is not None
+        ATTENTION_SPLITS.append(splits)
+        visible = mx.arange(cap) < mx.minimum(params[0], params[1] * chunk)
+    k = keys.astype(mx.float32)
+    v = values.astype(mx.float32)
     qh = q.reshape(n_kv, n_head // n_kv, hd)
-    probs = mx.softmax((qh @ k.swapaxes(-1, -2)) / math.sqrt(hd), axis=-1, precise=True)
+    scores = (qh @ k.swapaxes(-1, -2)) / math.sqrt(hd)
+    probs = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1, precise=True)
     out = (probs @ v).reshape(n_head, hd)
     if gate is not None:
         out = out * mx.sigmoid(gate.reshape(-1)[gate_offset:gate_offset + n_head * hd].reshape(n_head, hd))
@@ -67,8 +81,8 @@ def decode_attention(q, keys, values, n_valid, chunk, init_value=None, gate=None
 
 
 def residual_norm(x, f, w_post, w_next, eps, init_value=None):
-    x_out = x + mx.fast.rms_norm(f, w_post, eps[0].item())
-    return x_out, mx.fast.rms_norm(x_out, w_next, eps[1].item())
+    x_out = x + rms_norm(f, w_post, eps[0])
+    return x_out, rms_norm(x_out, w_next, eps[1])
 
 
 RESNORM_CALLS = []
@@ -87,6 +101,7 @@ def standins(monkeypatch):
     for fn in (matvec, matvec_silu, qk_post, decode_attention, residual_norm, matvec_resnorm):
         monkeypatch.setattr(kernels, fn.__name__, fn)
     RESNORM_CALLS.clear()
+    ATTENTION_SPLITS.clear()
 
 
 def log_softmax(x):
@@ -104,14 +119,18 @@ def run(path, tokens, prefill, use_kernels):
     return np.concatenate(rows), cache
 
 
-@pytest.mark.parametrize("layout, fuse", [("f32", "0"), ("q4_k_m", "0"), ("q4_k_m", "1")])
-def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture, tmp_path, layout, fuse,
+@pytest.mark.parametrize("layout, fuse, compiled", [("f32", "0", "0"), ("q4_k_m", "0", "0"), ("q4_k_m", "1", "0"),
+                                                     ("f32", "0", "1"), ("q4_k_m", "1", "1")])
+def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture, tmp_path, layout, fuse, compiled,
                                                           monkeypatch):
     """Prefill 100 (dequantizing path) + 3 (batched matvecs), then decode steps past the ring
     wrap; the stand-ins compute in float32 like the kernels, so the two paths agree closely.
     fuse=1 (MUSE_MLX_FUSE_NORM): the residual steps inside the streaming products that consume
-    them (matvec_resnorm), in every layer of the Q4_K_M layout and before the LM head."""
+    them (matvec_resnorm), in every layer of the Q4_K_M layout and before the LM head.
+    compiled=1 (MUSE_MLX_COMPILE): the decode step's layers as one mx.compile'd function, rows
+    written with slice updates at array rows, attention over rounded-up split counts."""
     monkeypatch.setenv("MUSE_MLX_FUSE_NORM", fuse)
+    monkeypatch.setenv("MUSE_MLX_COMPILE", compiled)
     g = DEFAULT_GEOMETRY
     path = f32_fixture if layout == "f32" else write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=3)
     tokens = np.random.default_rng(5).integers(0, g.n_vocab, 103 + 2 * g.sliding_window)
@@ -124,7 +143,14 @@ def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture,
     ref = np.concatenate(ref)
     decode_steps = len(tokens) - 103
     # per decode token: each layer's FFN gate|up and its next input's Q|K|gate(|V) and V, the LM head
-    assert (len(RESNORM_CALLS) > decode_steps * 2 * g.n_layer) == (fuse == "1"), len(RESNORM_CALLS)
+    if compiled == "1":   # traced once per split count, not once per token
+        traces = len(ATTENTION_SPLITS) // g.n_layer
+        assert 1 < traces < decode_steps // 2 and len(ATTENTION_SPLITS) == traces * g.n_layer, traces
+        per_trace, rest = divmod(len(RESNORM_CALLS), traces)
+        assert rest == 0 and (per_trace > 2 * g.n_layer) == (fuse == "1"), len(RESNORM_CALLS)
+    else:
+        assert not ATTENTION_SPLITS
+        assert (len(RESNORM_CALLS) > decode_steps * 2 * g.n_layer) == (fuse == "1"), len(RESNORM_CALLS)
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     assert d.max() < 2e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), d.max()
     for a, b in zip(cache.state(), ref_cache.state()):  # the same rows written where they belong

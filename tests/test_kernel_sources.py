@@ -144,6 +144,30 @@ def test_fuse_norm_knob(monkeypatch):
         kernels.settings()
 
 
+def test_compile_knob(monkeypatch):
+    monkeypatch.delenv("MUSE_MLX_COMPILE", raising=False)
+    assert kernels.settings().compile_step is False
+    monkeypatch.setenv("MUSE_MLX_COMPILE", "1")
+    assert kernels.settings().compile_step is True
+    monkeypatch.setenv("MUSE_MLX_COMPILE", "on")
+    with pytest.raises(ValueError, match="MUSE_MLX_COMPILE"):
+        kernels.settings()
+
+
+def test_attention_splits_cover_the_rows_and_change_rarely():
+    """A compiled step's split counts (kernels.attention_splits): enough for the rows, at most a
+    quarter more than needed above 8 splits, never past the storage's, and few distinct counts."""
+    for chunk, cap in [(32, 1024), (128, 131072), (128, 300), (7, 100)]:
+        counts = [kernels.attention_splits(n, chunk, cap) for n in range(1, cap + 1)]
+        for n, s in zip(range(1, cap + 1), counts):
+            need = -(-n // chunk)
+            assert need <= s <= max(need, -(-cap // chunk)) and s <= max(8, need * 1.25), (chunk, cap, n, s)
+        assert counts == sorted(counts)
+        assert len(set(counts)) <= 8 + 4 * max(0, (-(-cap // chunk)).bit_length() - 3), (chunk, cap, len(set(counts)))
+    with pytest.raises(ValueError, match="do not cover"):
+        kernels.attention_params(300, 32, 9)
+
+
 def test_only_the_fused_prologue_gets_a_register_cap():
     """The __launch_bounds__ redefinition (kernels.render) goes only into the CUDA header of the
     kernels with the x_resnorm prologue: the others keep the code the GPU checks ran."""

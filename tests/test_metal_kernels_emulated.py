@@ -146,6 +146,25 @@ def test_decode_attention(metal, n_head, n_kv, hd, cap, n_valid, chunk, rows):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
 
 
+@pytest.mark.parametrize("loop", ["rows", "butterfly"])
+def test_decode_attention_padded_splits(metal, loop):
+    """A compiled step's attention: more splits in the grid than the rows visible need
+    (kernels.attention_splits), the rows visible read only from params; the empty splits
+    must weigh nothing in the combine."""
+    metal.setenv("MUSE_MLX_ATTN_LOOP", loop)
+    n_head, n_kv, hd, cap, n_valid, chunk = 8, 2, 64, 320, 70, 32   # 3 splits needed, 10 in the grid
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((n_head, hd)).astype(np.float32)
+    keys = (0.5 * rng.standard_normal((n_kv, cap, hd))).astype(np.float16)
+    values = rng.standard_normal((n_kv, cap, hd)).astype(np.float16)
+    params = kernels.attention_params(n_valid, chunk, 10)
+    out = np.array(kernels.decode_attention(mx.array(q), mx.array(keys), mx.array(values), None, chunk,
+                                            init_value=NAN, params=params, splits=10))
+    ref = attention_ref(q, keys, values, n_valid)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_decode_attention_gated(metal):
     n_head, n_kv, hd, cap, n_valid = 4, 2, 64, 96, 70
     rng = np.random.default_rng(3)

@@ -122,7 +122,9 @@ CANDIDATE_SETTINGS = {"rows": {"MUSE_MLX_ATTN_LOOP": "rows", "MUSE_MLX_COMBINE_W
                       "butterfly": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_COMBINE_WARPS": "4"},
                       "butterfly-small-auto": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_ATTN_CHUNK": "16,64",
                                                "MUSE_MLX_COMBINE_WARPS": "auto"},
-                      "fuse-norm": {"MUSE_MLX_FUSE_NORM": "1"}}   # exercised where the products stream (Q4_K_M)
+                      "fuse-norm": {"MUSE_MLX_FUSE_NORM": "1"},   # exercised where the products stream (Q4_K_M)
+                      "compile": {"MUSE_MLX_COMPILE": "1"},
+                      "compile-fuse-norm": {"MUSE_MLX_COMPILE": "1", "MUSE_MLX_FUSE_NORM": "1"}}
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
@@ -302,6 +304,27 @@ def test_decode_attention(kind, cap, n_valid, rows, monkeypatch):
     ok = bool(np.isfinite(out).all() and err < 1e-5)
     record("decode_attention", kind=kind, cap=cap, n_valid=n_valid, rows=rows, rel_err=err, **{"pass": ok})
     assert ok, (err, int(np.isnan(out).sum()), out[0, :4], ref[0, :4])
+
+
+@pytest.mark.parametrize("kind, cap, n_valid", [("ring-before-wrap", 2048, 700), ("ring-full", 2048, 2048),
+                                                ("plane", 131072, 5), ("plane", 131072, 32768),
+                                                ("plane", 131072, 100_003)])
+def test_decode_attention_padded_splits(kind, cap, n_valid):
+    """A compiled step's attention (defaults): the grid's splits rounded up (kernels.attention_splits),
+    the rows visible read only from params, the empty splits weighed at zero by the combine."""
+    rng = np.random.default_rng([SEED, cap, n_valid, 3])
+    n_head, n_kv, hd = 32, 2, 128
+    q = mx.array(rng.standard_normal((n_head, hd)).astype(np.float32))
+    keys = mx.array((rng.standard_normal((n_kv, cap, hd)) * 0.5).astype(np.float16))
+    values = mx.array(rng.standard_normal((n_kv, cap, hd)).astype(np.float16))
+    chunk = kernels.RING_CHUNK if kind.startswith("ring") else kernels.PLANE_CHUNK
+    splits = kernels.attention_splits(n_valid, chunk, cap) + (1 if kind == "ring-full" else 0)  # one past the storage
+    out = np.array(kernels.decode_attention(q, keys, values, None, chunk, init_value=float("nan"),
+                                            params=kernels.attention_params(n_valid, chunk, splits), splits=splits))
+    err = rel_err(out.astype(np.float64), attention_ref(q, keys, values, n_valid))
+    ok = bool(np.isfinite(out).all() and err < 1e-5)
+    record("decode_attention_padded", kind=kind, cap=cap, n_valid=n_valid, splits=splits, rel_err=err, **{"pass": ok})
+    assert ok, err
 
 
 def test_decode_attention_other_geometry():
