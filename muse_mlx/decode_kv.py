@@ -6,8 +6,11 @@ A token writes its K/V row into each layer's storage, then attends over the rows
 - `EagerRows`: into the slot's cache as the token is built: a Python row per layer
   (kv.py `append`, in place), the attention's split count from the rows visible now.
 - `TracedRows`: inside a compiled step (MUSE_MLX_COMPILE=1, Model._compiled_layers), where
-  every Python number is fixed at trace time. A row is written with `mx.slice_update` at a row
-  index given as an array; the rows visible are an array too (kernels.attention_params); only
+  every Python number is fixed at trace time. A row is written with `mx.put_along_axis` at a
+  row index given as an array (MLX's scatter: on its CUDA backend a slice update at an array
+  row launches a thread per element of the whole storage, 31 us a write at depth 32,768,
+  against a thread per element written here); the rows visible are an array too
+  (kernels.attention_params); only
   the split count is a trace constant, rounded up (kernels.attention_splits) so that one trace
   serves many tokens. The layers whose storage has one kind and capacity (the rings; the
   planes) form a group sharing one row index and one parameter array: `step_plan` makes them
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from . import kernels
 from .kv import SlidingRing, SlotCache
@@ -52,8 +56,9 @@ class StepPlan(NamedTuple):
     """What a compiled step needs from the host for one token.
 
     groups: the group of each layer; chunks, splits: per group, the attention's rows per split
-    and split count (trace constants); arrays: per group, the row to write (int32[1]) then the
-    attention parameters (int32[8])."""
+    and split count (trace constants); arrays: per group, the row to write (int32, shaped
+    (n_kv, 1, head_dim) like a row of K: put_along_axis's indices) then the attention
+    parameters (int32[8])."""
     groups: tuple[int, ...]
     chunks: tuple[int, ...]
     splits: tuple[int, ...]
@@ -76,7 +81,9 @@ def step_plan(cache: SlotCache) -> StepPlan:
             nsplit = kernels.attention_splits(n_valid, chunk, layer.capacity)
             chunks.append(chunk)
             splits.append(nsplit)
-            arrays += [mx.array([layer.next_row], dtype=mx.int32), kernels.attention_params(n_valid, chunk, nsplit)]
+            n_kv, _, head_dim = layer.keys.shape
+            rows = mx.array(np.full((n_kv, 1, head_dim), layer.next_row, dtype=np.int32))
+            arrays += [rows, kernels.attention_params(n_valid, chunk, nsplit)]
         groups.append(keys[key])
     return StepPlan(tuple(groups), tuple(chunks), tuple(splits), arrays)
 
@@ -92,8 +99,8 @@ class TracedRows:
 
     def write(self, i: int, k16: mx.array, v16: mx.array) -> None:
         row = self.rows[self.groups[i]]
-        self.state[2 * i] = mx.slice_update(self.state[2 * i], k16, row, axes=(1,))
-        self.state[2 * i + 1] = mx.slice_update(self.state[2 * i + 1], v16, row, axes=(1,))
+        self.state[2 * i] = mx.put_along_axis(self.state[2 * i], row, k16, axis=1)
+        self.state[2 * i + 1] = mx.put_along_axis(self.state[2 * i + 1], row, v16, axis=1)
 
     def attend(self, i: int, q: mx.array, **kw) -> mx.array:
         gi = self.groups[i]

@@ -37,12 +37,19 @@ def short(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """ncu_summary.py LISTING [--parts tag,tag2,...]: with --parts the listing's launches are
-    split into that many equal runs in order (profile_decode.py --variants: one token each),
-    each folded on its own."""
-    path, tags = argv[0], []
-    if argv[1:2] == ["--parts"] and len(argv) == 3:
+    """ncu_summary.py LISTING [--parts tag,tag2,... [--ends REGEX]]: with --parts the listing's
+    launches are split into that many runs in order (profile_decode.py --variants: one token
+    each), each folded on its own: equal runs, or with --ends a run ending at each launch whose
+    kernel name matches REGEX (a token's last kernel, e.g. the LM head's "_202048_": variants
+    whose tokens launch different numbers of kernels)."""
+    path, tags, ends = argv[0] if argv else "", [], None
+    if argv[1:2] == ["--parts"] and len(argv) in (3, 5):
         tags = argv[2].split(",")
+        if len(argv) == 5:
+            if argv[3] != "--ends":
+                print(main.__doc__, file=sys.stderr)
+                return 2
+            ends = re.compile(argv[4])
     elif len(argv) != 1:
         print(main.__doc__, file=sys.stderr)
         return 2
@@ -50,13 +57,22 @@ def main(argv: list[str]) -> int:
     if not tags:
         fold(listing)
         return 0
-    if not listing or len(listing) % len(tags):
-        print(f"{path}: {len(listing)} launches do not split into {len(tags)} equal parts", file=sys.stderr)
-        return 1
-    n = len(listing) // len(tags)
-    for i, tag in enumerate(tags):
-        print(f"== {tag}: launches {i * n + 1}-{(i + 1) * n}")
-        fold(listing[i * n:(i + 1) * n])
+    if ends is None:
+        if not listing or len(listing) % len(tags):
+            print(f"{path}: {len(listing)} launches do not split into {len(tags)} equal parts", file=sys.stderr)
+            return 1
+        n = len(listing) // len(tags)
+        bounds = [(i * n, (i + 1) * n) for i in range(len(tags))]
+    else:
+        cuts = [i + 1 for i, r in enumerate(listing) if ends.search(r.get("Kernel Name", ""))]
+        if len(cuts) != len(tags) or cuts[-1] != len(listing):
+            print(f"{path}: {len(cuts)} launches match {ends.pattern!r} (the last at {cuts[-1:]}), "
+                  f"not one ending each of {len(tags)} parts of {len(listing)} launches", file=sys.stderr)
+            return 1
+        bounds = list(zip([0] + cuts[:-1], cuts))
+    for tag, (a, b) in zip(tags, bounds):
+        print(f"== {tag}: launches {a + 1}-{b}")
+        fold(listing[a:b])
     return 0
 
 

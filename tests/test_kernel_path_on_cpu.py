@@ -128,7 +128,7 @@ def test_kernel_path_orchestration_matches_reference_path(standins, f32_fixture,
     fuse=1 (MUSE_MLX_FUSE_NORM): the residual steps inside the streaming products that consume
     them (matvec_resnorm), in every layer of the Q4_K_M layout and before the LM head.
     compiled=1 (MUSE_MLX_COMPILE): the decode step's layers as one mx.compile'd function, rows
-    written with slice updates at array rows, attention over rounded-up split counts."""
+    written by scatters at array rows, attention over rounded-up split counts."""
     monkeypatch.setenv("MUSE_MLX_FUSE_NORM", fuse)
     monkeypatch.setenv("MUSE_MLX_COMPILE", compiled)
     g = DEFAULT_GEOMETRY
