@@ -98,9 +98,12 @@ def fuse_norm() -> bool:
     """Whether the decode step makes each sub-layer's residual step (post-norm, residual add,
     next input norm) inside the matvec that consumes it (MUSE_MLX_FUSE_NORM=1; matvec_resnorm)
     instead of in a residual_norm launch of its own, where every consumer streams. Off by default:
-    it removes 104 of a token's ~600 graph nodes (the host's cost scales with them; on the H200 the
-    host's time a token went from 10.59 to 8.78 ms in one pair of runs), but its GPU checks have
-    not finished (docs/kernels.md "Sixth session")."""
+    checked on the H200 (the fused kernels and the whole model), but slower there. It removes 104
+    of a token's launches (-0.5 ms of GPU time), and each fused product pays for its prologue
+    (every threadgroup reads four vectors and reduces twice) and for the register cap (2 rows
+    loaded together, not 4): gate|up 61 -> 100 us, Q|K|gate 18.6 -> 56 us. A token's summed
+    kernel time went from 10.6 to 14.6 ms at depth 32,768 (Nsight Compute; docs/kernels.md
+    "Seventh session")."""
     value = os.environ.get("MUSE_MLX_FUSE_NORM", "") or "0"
     if value not in ("0", "1"):
         raise ValueError(f"MUSE_MLX_FUSE_NORM must be 0 or 1, not {value!r}")
@@ -108,12 +111,14 @@ def fuse_norm() -> bool:
 
 
 def compile_step() -> bool:
-    """Whether the decode step's layers run as one compiled MLX function (MUSE_MLX_COMPILE=1;
-    Model._compiled_layers, decode_kv.TracedRows): traced once per attention split count
-    (attention_splits) and replayed from MLX's C++ for every token after, so the Python that
-    builds a token's ~600 graph nodes runs only at trace time. Off by default until measured on
-    the GPU (docs/kernels.md "Seventh session")."""
-    value = os.environ.get("MUSE_MLX_COMPILE", "") or "0"
+    """Whether the decode step's layers run as one compiled MLX function (MUSE_MLX_COMPILE, default
+    1; Model._compiled_layers, decode_kv.TracedRows): traced once per attention split count
+    (attention_splits) and replayed from MLX's C++ for every other token, so the Python that builds
+    a token's ~500 graph nodes runs only at trace time. On the H200 (synthetic full-geometry
+    Q4_K_M, same instance; docs/kernels.md "Seventh session") it took pipelined decode from
+    72-84 to 101-103 tok/s at depth 0 and 94.6-95.3 at depth 32,768, against llama.cpp's 93.9 /
+    88.9. MUSE_MLX_COMPILE=0 builds every token in Python (the eager step)."""
+    value = os.environ.get("MUSE_MLX_COMPILE", "") or "1"
     if value not in ("0", "1"):
         raise ValueError(f"MUSE_MLX_COMPILE must be 0 or 1, not {value!r}")
     return value == "1"

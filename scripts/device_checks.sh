@@ -10,7 +10,10 @@
 #   bash scripts/device_checks.sh
 # NCU_RUNS: runs "TAG|KERNEL REGEX|VARIANTS" joined by "@"; each is one ncu process (durations
 # only, caches left warm: --cache-control none) at depth NCU_DEPTH (32768), one token per
-# variant (profile_decode.py --variants), NCU_TIMEOUT seconds at most (default 200).
+# variant (profile_decode.py --variants), NCU_TIMEOUT seconds at most (default 200). The regex
+# cannot hold "|" (the field separator here): for "muse|copy|scatter" run profile_decode.sh with
+# KERNELS set. Variants whose tokens launch different numbers of kernels are folded apart with
+# `ncu_summary.py CSV --parts a,b --ends _202048_` (the LM head ends each token).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi

@@ -146,9 +146,9 @@ def test_fuse_norm_knob(monkeypatch):
 
 def test_compile_knob(monkeypatch):
     monkeypatch.delenv("MUSE_MLX_COMPILE", raising=False)
-    assert kernels.settings().compile_step is False
-    monkeypatch.setenv("MUSE_MLX_COMPILE", "1")
     assert kernels.settings().compile_step is True
+    monkeypatch.setenv("MUSE_MLX_COMPILE", "0")
+    assert kernels.settings().compile_step is False
     monkeypatch.setenv("MUSE_MLX_COMPILE", "on")
     with pytest.raises(ValueError, match="MUSE_MLX_COMPILE"):
         kernels.settings()

@@ -123,7 +123,8 @@ CANDIDATE_SETTINGS = {"rows": {"MUSE_MLX_ATTN_LOOP": "rows", "MUSE_MLX_COMBINE_W
                       "butterfly-small-auto": {"MUSE_MLX_ATTN_LOOP": "butterfly", "MUSE_MLX_ATTN_CHUNK": "16,64",
                                                "MUSE_MLX_COMBINE_WARPS": "auto"},
                       "fuse-norm": {"MUSE_MLX_FUSE_NORM": "1"},   # exercised where the products stream (Q4_K_M)
-                      "compile": {"MUSE_MLX_COMPILE": "1"},
+                      "compile": {"MUSE_MLX_COMPILE": "1"},   # the default since the seventh session
+                      "eager": {"MUSE_MLX_COMPILE": "0"},     # the step built in Python each token (before)
                       "compile-fuse-norm": {"MUSE_MLX_COMPILE": "1", "MUSE_MLX_FUSE_NORM": "1"}}
 
 
