@@ -134,23 +134,16 @@ def test_attention_knobs_parse_and_reject(monkeypatch):
             kernels.settings()
 
 
-def test_fuse_norm_knob(monkeypatch):
-    monkeypatch.delenv("MUSE_MLX_FUSE_NORM", raising=False)
-    assert kernels.settings().fuse_norm is False
-    monkeypatch.setenv("MUSE_MLX_FUSE_NORM", "1")
-    assert kernels.settings().fuse_norm is True
-    monkeypatch.setenv("MUSE_MLX_FUSE_NORM", "yes")
-    with pytest.raises(ValueError, match="MUSE_MLX_FUSE_NORM"):
-        kernels.settings()
-
-
-def test_compile_knob(monkeypatch):
-    monkeypatch.delenv("MUSE_MLX_COMPILE", raising=False)
-    assert kernels.settings().compile_step is True
-    monkeypatch.setenv("MUSE_MLX_COMPILE", "0")
-    assert kernels.settings().compile_step is False
-    monkeypatch.setenv("MUSE_MLX_COMPILE", "on")
-    with pytest.raises(ValueError, match="MUSE_MLX_COMPILE"):
+@pytest.mark.parametrize("var, field, default", [("MUSE_MLX_FUSE_NORM", "fuse_norm", False),
+                                                ("MUSE_MLX_COMPILE", "compile_step", True)])
+def test_on_off_knobs(monkeypatch, var, field, default):
+    """The 0/1 knobs: their default when unset, the other value when set, a clear error otherwise."""
+    monkeypatch.delenv(var, raising=False)
+    assert getattr(kernels.settings(), field) is default
+    monkeypatch.setenv(var, "1" if not default else "0")
+    assert getattr(kernels.settings(), field) is (not default)
+    monkeypatch.setenv(var, "yes")
+    with pytest.raises(ValueError, match=var):
         kernels.settings()
 
 
