@@ -26,6 +26,7 @@ chunks, and runs single-token attention with custom_kernels/attention.inc.
 from __future__ import annotations
 
 import math
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -451,9 +452,11 @@ class Model(nn.Module):
         key = (s, plan.trace_key)
         fn = self._compiled_steps.get(key)
         if fn is None:
+            model = weakref.ref(self)   # no cycle model -> compiled step -> model: freed with the model
+
             def layers(x, rope, *arrays, plan_key=plan.trace_key, n_plan=len(plan.arrays)):
                 kv = TracedRows(plan_key, list(arrays[:n_plan]), list(arrays[n_plan:]))
-                return [self._decode_layers(x, rope, kv), *kv.state]
+                return [model()._decode_layers(x, rope, kv), *kv.state]
             fn = self._compiled_steps[key] = mx.compile(layers)
         logits, *state = fn(x, rope, *plan.arrays, *cache.state())
         cache.rebind(state, 1)

@@ -187,3 +187,23 @@ def test_kernel_path_orchestration_on_other_geometries(standins, tmp_path, name,
     assert d.max() < 2e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), d.max()
     for a, b in zip(cache.state(), ref_cache.state()):
         assert np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max() < 2e-2
+
+
+def test_compiled_steps_are_freed_with_the_model(standins, f32_fixture, monkeypatch):
+    """A model's compiled steps do not keep it alive (no reference cycle through them): a full
+    model is ~17 GB, freed at `del`, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("MUSE_MLX_COMPILE", "1")
+    model = load(f32_fixture, use_kernels=True)
+    cache = model.make_cache(8)
+    mx.eval(model(mx.array([1]), cache))
+    assert model._compiled_steps
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
