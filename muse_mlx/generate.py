@@ -16,6 +16,8 @@ from typing import Iterator
 import mlx.core as mx
 
 from .errors import ContextLimitError, MuseError
+from . import cli
+from .cli import Parser
 from .kv import SlotCache
 from .sampling import Sampler, SamplerSettings
 
@@ -73,13 +75,8 @@ class Stats:
         ]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would add the usage text)
-        raise MuseError(f"{self.prog}: {message}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m muse_mlx.generate", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m muse_mlx.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="path to a muse-glimmer GGUF (default: the embedded synthetic fixture, "
                                    "written to the cache on first use)")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text, or '-' to read stdin")
@@ -115,7 +112,7 @@ def run(argv: list[str] | None = None) -> int:
     if problems:
         raise MuseError(problems[0])
 
-    from .fixtures import default_model_path
+    from .tools.fixtures import default_model_path
     from .model import load
     from .tokenizer import MuseTokenizer
 
@@ -166,14 +163,7 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except MuseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return cli.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from .artifact import Vocabulary
 from .errors import TokenizerError
-from .fixture_vocab import byte_to_unicode
 
 # Pre-tokenizer regexes, copied in meaning from llama-vocab.cpp (LLAMA_VOCAB_PRE_TYPE_*).
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -41,6 +40,23 @@ TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 # gpt-oss, always render these tokens"), so llama.cpp prints them; so do we.
 ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters.
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes map, in order,
+    to code points 256, 257, ... so every byte has a visible, unambiguous character.
+    """
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
 
 class MuseTokenizer:
     """Encode text to ids and ids to text the way the pinned llama.cpp does."""

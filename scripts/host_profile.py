@@ -21,7 +21,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     from muse_mlx.artifact import open_artifact
-    from muse_mlx.bench import fill_kv
+    from muse_mlx.tools.bench import fill_kv
     from muse_mlx.model import Model
 
     model = Model(open_artifact(args.model))

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from muse_mlx.fixtures import gguf_bytes, kquant_mix, uniform_types, write_random_blocks  # noqa: E402
+from muse_mlx.tools.fixtures import gguf_bytes, kquant_mix, uniform_types, write_random_blocks  # noqa: E402
 from muse_mlx.geometry import PINNED  # noqa: E402
 
 p = argparse.ArgumentParser()

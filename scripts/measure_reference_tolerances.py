@@ -15,10 +15,10 @@ import numpy as np  # noqa: E402
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from muse_mlx.fixtures import DEFAULT_GEOMETRY, ensure_fixture, kquant_mix, write_random_blocks  # noqa: E402
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, ensure_fixture, kquant_mix, write_random_blocks  # noqa: E402
 from muse_mlx.model import load  # noqa: E402
-from muse_mlx.parity import logit_metrics  # noqa: E402
-from muse_mlx.receipts import file_sha256, make_receipt, write_receipt  # noqa: E402
+from muse_mlx.tools.parity import logit_metrics  # noqa: E402
+from muse_mlx.tools.receipts import file_sha256, make_receipt, write_receipt  # noqa: E402
 from reference import ReferenceModel  # noqa: E402
 
 g = DEFAULT_GEOMETRY

@@ -34,7 +34,7 @@ import numpy as np
 
 from muse_mlx import kernels
 from muse_mlx.geometry import PINNED
-from muse_mlx.receipts import make_receipt, write_receipt
+from muse_mlx.tools.receipts import make_receipt, write_receipt
 
 Q4, Q6 = 144, 210  # bytes per 256-value block
 
@@ -110,7 +110,7 @@ def section_stream(res):
     """Correctness (float64 numpy on valid random blocks) and a sweep of R, RF and the grid size."""
     from gguf import GGMLQuantizationType as QT
 
-    from muse_mlx.fixtures import random_blocks
+    from muse_mlx.tools.fixtures import random_blocks
     from muse_mlx.quant import dequantize
 
     qt = {"q4_k": QT.Q4_K, "q6_k": QT.Q6_K}

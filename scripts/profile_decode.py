@@ -31,7 +31,7 @@ def main() -> int:
     args = p.parse_args()
     variants = parse_variants(args.variants)
     from muse_mlx.artifact import open_artifact
-    from muse_mlx.bench import fill_kv
+    from muse_mlx.tools.bench import fill_kv
     from muse_mlx.model import Model
 
     model = Model(open_artifact(args.model))

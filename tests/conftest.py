@@ -20,6 +20,6 @@ def fixture_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def f32_fixture(fixture_dir) -> Path:
-    from muse_mlx.fixtures import write_fixture
+    from muse_mlx.tools.fixtures import write_fixture
 
     return write_fixture(fixture_dir / "default-f32.gguf")

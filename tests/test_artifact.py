@@ -8,7 +8,7 @@ from gguf import GGUFValueType as VT
 from ggufedit import rewrite
 from muse_mlx.artifact import open_artifact
 from muse_mlx.errors import ArtifactError
-from muse_mlx.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_sparse
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_sparse
 from muse_mlx.geometry import PINNED, PINNED_SHAPE_FIELDS
 
 

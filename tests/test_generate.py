@@ -7,7 +7,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from muse_mlx.fixtures import ensure_fixture
+from muse_mlx.tools.fixtures import ensure_fixture
 from muse_mlx.generate import generate_tokens
 from muse_mlx.model import load
 from muse_mlx.sampling import Sampler, SamplerSettings

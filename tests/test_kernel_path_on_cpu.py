@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from muse_mlx import kernels
-from muse_mlx.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
 from muse_mlx.model import load
 from muse_mlx.quant import dequantize
+from reference import log_softmax
 
 
 def matvec(w, qtype, x, init_value=None):
@@ -104,11 +105,6 @@ def standins(monkeypatch):
     ATTENTION_SPLITS.clear()
 
 
-def log_softmax(x):
-    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
 def run(path, tokens, prefill, use_kernels):
     model = load(path, use_kernels=use_kernels)
     assert (model.backend is not None) == use_kernels
@@ -167,7 +163,7 @@ def test_kernel_path_orchestration_on_other_geometries(standins, tmp_path, name,
     reference path."""
     from test_model import OTHER_GEOMETRIES
 
-    from muse_mlx.fixtures import write_fixture
+    from muse_mlx.tools.fixtures import write_fixture
 
     monkeypatch.setenv("MUSE_MLX_COMPILE", compiled)
     g = OTHER_GEOMETRIES[name]

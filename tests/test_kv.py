@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muse_mlx.errors import ContextLimitError
-from muse_mlx.fixtures import DEFAULT_GEOMETRY
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY
 from muse_mlx.geometry import PINNED
 from muse_mlx.kv import GrowingPlane, SlidingRing, SlotCache
 

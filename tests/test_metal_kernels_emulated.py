@@ -16,10 +16,10 @@ from gguf.quants import dequantize as gguf_dequantize
 import mlx.core as mx
 
 from muse_mlx import kernels
-from muse_mlx.fixtures import random_blocks
+from muse_mlx.tools.fixtures import random_blocks
 
 from metal_emulator import CXX, emulate
-from reference import attention_ref
+from reference import attention_ref, log_softmax
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 NAN = float("nan")
@@ -235,7 +235,7 @@ def test_whole_model_on_emulated_metal_kernels(metal, tmp_path):
     fixture's logits are ill-conditioned). The eager step (MUSE_MLX_COMPILE=0): the emulator
     needs each launch's inputs as numbers, which a compiled step's trace does not have; the
     compiled step's orchestration is tested with MLX-ops stand-ins (test_kernel_path_on_cpu)."""
-    from muse_mlx.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
+    from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
     from muse_mlx.model import load
 
     metal.setenv("MUSE_MLX_COMPILE", "0")
@@ -253,9 +253,6 @@ def test_whole_model_on_emulated_metal_kernels(metal, tmp_path):
     metal.setattr(kernels, "backend", lambda: None)
     ref = run(False)
 
-    def log_softmax(x):
-        z = x - x.max(axis=-1, keepdims=True)
-        return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     assert np.isfinite(ours).all()
     assert d.max() < 1.5e-1 and d.mean() < 5e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), (d.max(), d.mean())

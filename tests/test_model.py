@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from muse_mlx.fixtures import DEFAULT_GEOMETRY, write_fixture
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, write_fixture
 from muse_mlx.geometry import Geometry
 from muse_mlx.model import load
 from reference import ReferenceModel, log_softmax
@@ -148,7 +148,7 @@ def test_float32_noise_rule_on_the_random_fixture(tmp_path):
     at 8029aec was 0.46 from the reference path in one position (H200); the same path with
     K/V stored in bfloat16 instead of float16 fails (by 82x its allowance when written; the
     jittered path used 0.08 of it)."""
-    from muse_mlx.fixtures import kquant_mix, write_random_blocks
+    from muse_mlx.tools.fixtures import kquant_mix, write_random_blocks
     from muse_mlx.model import Projection
     from reference import within_float32_noise
 

@@ -17,9 +17,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import muse_mlx.model as model_module
-from muse_mlx import parity
+from muse_mlx.tools import parity
 from muse_mlx.artifact import open_artifact
-from muse_mlx.llamacpp import LlamaCpp, lib
+from muse_mlx.tools.llamacpp import LlamaCpp, lib
 from muse_mlx.model import Model, load
 from muse_mlx.quant import quantize_nvfp4
 from muse_mlx.tokenizer import MuseTokenizer
@@ -194,7 +194,7 @@ def test_greedy_text_matches_llama(f32_fixture):
 
 
 def test_cli_writes_receipts(f32_fixture, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "muse_mlx.parity", "--model", str(f32_fixture), "--lanes", "f32",
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.tools.parity", "--model", str(f32_fixture), "--lanes", "f32",
                         "--prefill", "70", "--decode-steps", "10", "--greedy", "4", "--receipt-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -206,6 +206,6 @@ def test_cli_writes_receipts(f32_fixture, tmp_path):
 
 @pytest.mark.parametrize("args", [["--lanes", "q3_k"], ["--prefill", "0"], ["--prefill", "5000"]])
 def test_cli_user_errors(f32_fixture, args):
-    r = subprocess.run([sys.executable, "-m", "muse_mlx.parity", "--model", str(f32_fixture), *args],
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.tools.parity", "--model", str(f32_fixture), *args],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from muse_mlx import envelope, footprint
-from muse_mlx.anchors import BOOK_DECODE_TOK_S, BOOK_HANDOFF_BYTES, PINNED_ARTIFACT_BYTES
-from muse_mlx.fixtures import kquant_mix
+from muse_mlx.tools import envelope, footprint
+from muse_mlx.tools.anchors import BOOK_DECODE_TOK_S, BOOK_HANDOFF_BYTES, PINNED_ARTIFACT_BYTES
+from muse_mlx.tools.fixtures import kquant_mix
 from muse_mlx.geometry import PINNED
 
 
@@ -54,7 +54,7 @@ def test_deep_handoff_reconciles_with_the_measured_payload():
 
 def test_footprint_cli_and_plot(tmp_path):
     png, receipt = tmp_path / "fig-22-1.png", tmp_path / "footprint.json"
-    r = run("muse_mlx.footprint", "--plot", str(png), "--receipt", str(receipt))
+    r = run("muse_mlx.tools.footprint", "--plot", str(png), "--receipt", str(receipt))
     assert r.returncode == 0, r.stderr
     for text in ("1,826,619,392", "7.306", "0.763", "2.072", "53,248 B below", "13,312 B above", "16.75×",
                  "95.5%", "4.5%", "1,823,184,896", "agrees to the byte"):
@@ -69,7 +69,7 @@ def test_footprint_cli_and_plot(tmp_path):
 
 
 def test_footprint_on_a_fixture_and_real_allocation(f32_fixture):
-    r = run("muse_mlx.footprint", "--model", str(f32_fixture), "--contexts", "64,100,4096", "--slots", "2",
+    r = run("muse_mlx.tools.footprint", "--model", str(f32_fixture), "--contexts", "64,100,4096", "--slots", "2",
             "--allocate")
     assert r.returncode == 0, r.stderr
     assert "allocated 2 slots at 4,096" in r.stdout
@@ -84,7 +84,7 @@ def test_footprint_refuses_to_allocate_what_does_not_fit(monkeypatch, capsys):
 
 @pytest.mark.parametrize("args", [["--contexts", "12,abc"], ["--contexts", "999999999"], ["--slots", "0"]])
 def test_footprint_user_errors(args):
-    r = run("muse_mlx.footprint", *args)
+    r = run("muse_mlx.tools.footprint", *args)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -104,7 +104,7 @@ def test_envelope_reproduces_chapter_1():
 
 def test_envelope_cli_with_the_books_inputs(tmp_path):
     out = tmp_path / "env.json"
-    r = run("muse_mlx.envelope", "--tok-s", "35.4395", "--receipt", str(out))
+    r = run("muse_mlx.tools.envelope", "--tok-s", "35.4395", "--receipt", str(out))
     assert r.returncode == 0, r.stderr
     for text in ("27,854,794,240", "4.81 bits", "53.0 GFLOP", "593.85 GB/s", "28.22 ms", "derivation"):
         assert text in r.stdout, text
@@ -122,10 +122,10 @@ def test_envelope_counts_what_the_file_holds(f32_fixture, tmp_path):
     assert e.tensor_bytes == sum(int(t.n_bytes) for t in reader.tensors)
     receipt = tmp_path / "bench.json"
     receipt.write_text('{"metrics": {"decode_tok_s": {"mean": 100.0}}}')
-    r = run("muse_mlx.envelope", "--model", str(f32_fixture), "--bench-receipt", str(receipt), "--ceiling-gbps", "1000")
+    r = run("muse_mlx.tools.envelope", "--model", str(f32_fixture), "--bench-receipt", str(receipt), "--ceiling-gbps", "1000")
     assert r.returncode == 0 and "of the 1,000 GB/s ceiling" in r.stdout, r.stderr
 
 
 def test_envelope_user_errors(tmp_path):
-    assert run("muse_mlx.envelope", "--tok-s", "-3").returncode == 2
-    assert run("muse_mlx.envelope", "--bench-receipt", str(tmp_path / "none.json")).returncode == 2
+    assert run("muse_mlx.tools.envelope", "--tok-s", "-3").returncode == 2
+    assert run("muse_mlx.tools.envelope", "--bench-receipt", str(tmp_path / "none.json")).returncode == 2

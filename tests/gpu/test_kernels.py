@@ -15,10 +15,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from muse_mlx import kernels
-from muse_mlx.fixtures import DEFAULT_GEOMETRY, kquant_mix, random_blocks, write_fixture, write_random_blocks
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, random_blocks, write_fixture, write_random_blocks
 from muse_mlx.model import load
 from muse_mlx.quant import dequantize
-from reference import ReferenceModel, attention_ref, within_float32_noise
+from reference import ReferenceModel, attention_ref, log_softmax, within_float32_noise
 
 pytestmark = pytest.mark.skipif(kernels.backend() is None, reason="no Metal or CUDA device")
 
@@ -39,7 +39,7 @@ def record(check, **fields):
 
 
 def write_results():
-    from muse_mlx.receipts import make_receipt, write_receipt
+    from muse_mlx.tools.receipts import make_receipt, write_receipt
 
     path = os.environ.get("MUSE_GPU_RECEIPT", "receipts/kernels/verification.json")
     failed = [r for r in RESULTS if not r.get("pass", True)]
@@ -67,11 +67,6 @@ def product_err(out: np.ndarray, ref: np.ndarray, scale: np.ndarray) -> float:
 
 
 # ---- the kernel path against the reference path, whole model ---------------------------
-
-
-def log_softmax(x):
-    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 def run(path, tokens, prefill, use_kernels):

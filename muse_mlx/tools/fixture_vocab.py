@@ -12,29 +12,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
+from ..tokenizer import byte_to_unicode
+
 SPECIAL_TOKENS = ("<|bos|>", "<|eot|>", "<|eom|>", "<|start|>", "<|message|>")
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 
 
 @lru_cache(maxsize=1)
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters.
-
-    Printable Latin-1 bytes map to themselves; the other 68 bytes map, in order,
-    to code points 256, 257, ... so every byte has a visible, unambiguous character.
-    """
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 @dataclass(frozen=True)
 class FixtureVocab:
     tokens: list[str]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MuseError
+from ..errors import MuseError
 
 PINNED_VERSION = "0.3.36"
 

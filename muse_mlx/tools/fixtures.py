@@ -27,8 +27,8 @@ from gguf import GGUFWriter
 from gguf.quants import quantize
 
 from .fixture_vocab import SPECIAL_TOKENS, build_vocab
-from .geometry import ARCH, Geometry
-from .quant import block_bytes, block_size, row_bytes
+from ..geometry import ARCH, Geometry
+from ..quant import block_bytes, block_size, row_bytes
 
 # The default fixture: small enough for CPU tests, shaped like the pinned model
 # (GQA 4:1, two full NoPE layers among six sliding ones) and with a 64-position

@@ -1,4 +1,4 @@
-"""`python -m muse_mlx.envelope`: the bandwidth envelope of one decoded token (seed 002, ch. 1).
+"""`python -m muse_mlx.tools.envelope`: the bandwidth envelope of one decoded token (seed 002, ch. 1).
 
 From the tensor table the engine loads: the parameter count, bytes on disk and
 bits per parameter, the bytes one decode step must stream (weights read once,
@@ -19,9 +19,11 @@ from pathlib import Path
 from gguf import GGMLQuantizationType as QT
 
 from .anchors import PINNED_ARTIFACT_BYTES
-from .errors import MuseError
-from .geometry import PINNED, Geometry
-from .quant import row_bytes
+from ..errors import MuseError
+from .. import cli
+from ..cli import Parser
+from ..geometry import PINNED, Geometry
+from ..quant import row_bytes
 
 TOKEN_EMBD = "token_embd.weight"
 
@@ -103,13 +105,8 @@ def tok_s_from_receipt(path) -> float:
     return float(value)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise MuseError(f"{self.prog}: {message}")
-
-
-def main(argv=None) -> int:
-    p = _Parser(prog="python -m muse_mlx.envelope", description=__doc__.splitlines()[0])
+def _command(argv=None) -> int:
+    p = Parser(prog="python -m muse_mlx.tools.envelope", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a muse-glimmer GGUF (default: the pinned geometry in the Q4_K_M layout, "
                                    "with the pinned artifact's size from seed 002)")
     p.add_argument("--tok-s", type=float, help="a measured decode throughput, tokens/s")
@@ -118,45 +115,41 @@ def main(argv=None) -> int:
     p.add_argument("--ceiling-gbps", type=float, help="a measured read bandwidth to compare against, GB/s")
     p.add_argument("--file-bytes", type=int, help="override the bytes on disk (e.g. the book's artifact)")
     p.add_argument("--receipt", help="write this run's receipt JSON here")
-    try:
-        args = p.parse_args(argv)
-        if args.tok_s is not None and args.bench_receipt:
-            raise MuseError("give --tok-s or --bench-receipt, not both")
-        if args.depth < 0:
-            raise MuseError(f"--depth must be >= 0, got {args.depth}")
-        if args.model:
-            from .artifact import open_artifact
+    args = p.parse_args(argv)
+    if args.tok_s is not None and args.bench_receipt:
+        raise MuseError("give --tok-s or --bench-receipt, not both")
+    if args.depth < 0:
+        raise MuseError(f"--depth must be >= 0, got {args.depth}")
+    if args.model:
+        from ..artifact import open_artifact
 
-            a = open_artifact(args.model)
-            g = a.geometry
-            types = {name: t.qtype for name, t in a.tensors.items()}
-            file_bytes, source = a.file_bytes, f"{Path(args.model).name} on disk"
-        else:
-            from .fixtures import kquant_mix
+        a = open_artifact(args.model)
+        g = a.geometry
+        types = {name: t.qtype for name, t in a.tensors.items()}
+        file_bytes, source = a.file_bytes, f"{Path(args.model).name} on disk"
+    else:
+        from .fixtures import kquant_mix
 
-            g, types = PINNED, kquant_mix(PINNED)
-            file_bytes, source = PINNED_ARTIFACT_BYTES, "the pinned kquant artifact (seed 002 §1.3, quoted)"
-        if args.file_bytes is not None:
-            file_bytes, source = args.file_bytes, "given with --file-bytes"
-        if args.depth > g.context_length:
-            raise MuseError(f"--depth {args.depth:,} exceeds the model's {g.context_length:,} positions")
-        tok_s = args.tok_s if args.tok_s is not None else \
-            (tok_s_from_receipt(args.bench_receipt) if args.bench_receipt else None)
-        if tok_s is not None and not tok_s > 0:
-            raise MuseError(f"--tok-s must be positive, got {tok_s}")
-        e = envelope(g, types, file_bytes, source, args.depth)
-        metrics = print_report(g, e, tok_s, args.ceiling_gbps)
-        if args.receipt:
-            from .receipts import make_receipt, write_receipt
+        g, types = PINNED, kquant_mix(PINNED)
+        file_bytes, source = PINNED_ARTIFACT_BYTES, "the pinned kquant artifact (seed 002 §1.3, quoted)"
+    if args.file_bytes is not None:
+        file_bytes, source = args.file_bytes, "given with --file-bytes"
+    if args.depth > g.context_length:
+        raise MuseError(f"--depth {args.depth:,} exceeds the model's {g.context_length:,} positions")
+    tok_s = args.tok_s if args.tok_s is not None else \
+        (tok_s_from_receipt(args.bench_receipt) if args.bench_receipt else None)
+    if tok_s is not None and not tok_s > 0:
+        raise MuseError(f"--tok-s must be positive, got {tok_s}")
+    e = envelope(g, types, file_bytes, source, args.depth)
+    metrics = print_report(g, e, tok_s, args.ceiling_gbps)
+    if args.receipt:
+        from .receipts import make_receipt, write_receipt
 
-            r = make_receipt("envelope", inputs={"model": args.model, "tok_s": tok_s, "depth": args.depth,
-                                                 "file_bytes": file_bytes, "file_bytes_source": source},
-                             metrics=metrics, notes="effective GB/s is derived from a throughput, not measured")
-            print(f"receipt: {write_receipt(args.receipt, r)}")
-        return 0
-    except MuseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        r = make_receipt("envelope", inputs={"model": args.model, "tok_s": tok_s, "depth": args.depth,
+                                             "file_bytes": file_bytes, "file_bytes_source": source},
+                         metrics=metrics, notes="effective GB/s is derived from a throughput, not measured")
+        print(f"receipt: {write_receipt(args.receipt, r)}")
+    return 0
 
 
 def print_report(g: Geometry, e: Envelope, tok_s: float | None, ceiling: float | None, out=None) -> dict:
@@ -190,6 +183,10 @@ def print_report(g: Geometry, e: Envelope, tok_s: float | None, ceiling: float |
               f"(streamed bytes); the ceiling allows {ceiling * 1e9 / e.token_bytes:.1f} tok/s")
             metrics.update(ceiling_gbps=ceiling, fraction_of_ceiling=eff_stream / ceiling)
     return metrics
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m muse_mlx.footprint`: what the KV cache costs, from the formula and from the allocator.
+"""`python -m muse_mlx.tools.footprint`: what the KV cache costs, from the formula and from the allocator.
 
 Reproduces chapter 22 (seed 000) from the geometry the engine loads: bytes per
 layer class and per slot at any context, computed twice — from the formula
@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .anchors import BOOK_HANDOFF_DEPTH, PINNED_ARTIFACT_BYTES
-from .errors import MuseError
-from .geometry import PINNED, Geometry
-from .kv import SlotCache
+from ..errors import MuseError
+from .. import cli
+from ..cli import Parser
+from ..geometry import PINNED, Geometry
+from ..kv import SlotCache
 
 DEFAULT_CONTEXTS = (2_048, 8_192, 32_768, 131_072)
 
@@ -139,11 +141,6 @@ def _parse_contexts(text: str) -> list[int]:
     return values
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise MuseError(f"{self.prog}: {message}")
-
-
 def report(g: Geometry, contexts: list[int], slots: int, weights_bytes: int, weights_label: str,
            out=None) -> dict:
     out = out or sys.stdout
@@ -209,8 +206,8 @@ def allocate(g: Geometry, context: int, slots: int, need: int, have: int | None,
     return {"allocated": True, "active_memory_growth": grown, "accounted_bytes": accounted}
 
 
-def main(argv=None) -> int:
-    p = _Parser(prog="python -m muse_mlx.footprint", description=__doc__.splitlines()[0])
+def _command(argv=None) -> int:
+    p = Parser(prog="python -m muse_mlx.tools.footprint", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a muse-glimmer GGUF (default: the pinned geometry)")
     p.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS),
                    help="comma-separated context lengths (default %(default)s)")
@@ -219,39 +216,39 @@ def main(argv=None) -> int:
     p.add_argument("--allocate", action="store_true",
                    help="also allocate the slots at the largest context, if they fit this machine")
     p.add_argument("--receipt", help="write a receipt JSON here")
-    try:
-        args = p.parse_args(argv)
-        contexts = _parse_contexts(args.contexts)
-        if args.slots < 1:
-            raise MuseError(f"--slots must be >= 1, got {args.slots}")
-        if args.model:
-            from .artifact import open_artifact
+    args = p.parse_args(argv)
+    contexts = _parse_contexts(args.contexts)
+    if args.slots < 1:
+        raise MuseError(f"--slots must be >= 1, got {args.slots}")
+    if args.model:
+        from ..artifact import open_artifact
 
-            a = open_artifact(args.model)
-            g, weights_bytes, label = a.geometry, a.file_bytes, Path(args.model).name
-        else:
-            g, weights_bytes, label = PINNED, PINNED_ARTIFACT_BYTES, "pinned kquant artifact, seed 002"
-        too_long = [c for c in contexts if c > g.context_length]
-        if too_long:
-            raise MuseError(f"context {too_long[0]:,} exceeds the model's limit of {g.context_length:,} positions")
-        metrics = report(g, contexts, args.slots, weights_bytes, label)
-        if args.allocate:
-            metrics["allocation"] = allocate(g, max(contexts), args.slots, metrics["need_bytes"],
-                                             metrics["machine_bytes"])
-        if args.plot:
-            print(f"plot: {plot(g, Path(args.plot))}")
-        if args.receipt:
-            from .receipts import make_receipt, write_receipt
+        a = open_artifact(args.model)
+        g, weights_bytes, label = a.geometry, a.file_bytes, Path(args.model).name
+    else:
+        g, weights_bytes, label = PINNED, PINNED_ARTIFACT_BYTES, "pinned kquant artifact, seed 002"
+    too_long = [c for c in contexts if c > g.context_length]
+    if too_long:
+        raise MuseError(f"context {too_long[0]:,} exceeds the model's limit of {g.context_length:,} positions")
+    metrics = report(g, contexts, args.slots, weights_bytes, label)
+    if args.allocate:
+        metrics["allocation"] = allocate(g, max(contexts), args.slots, metrics["need_bytes"],
+                                         metrics["machine_bytes"])
+    if args.plot:
+        print(f"plot: {plot(g, Path(args.plot))}")
+    if args.receipt:
+        from .receipts import make_receipt, write_receipt
 
-            r = make_receipt("footprint", inputs={"model": args.model, "contexts": contexts, "slots": args.slots,
-                                                  "geometry": asdict(g)},
-                             metrics=metrics, verdict="agrees" if all(x["agrees"] for x in metrics["rows"])
-                             else "disagrees")
-            print(f"receipt: {write_receipt(args.receipt, r)}")
-        return 0 if all(x["agrees"] for x in metrics["rows"]) else 1
-    except MuseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        r = make_receipt("footprint", inputs={"model": args.model, "contexts": contexts, "slots": args.slots,
+                                              "geometry": asdict(g)},
+                         metrics=metrics, verdict="agrees" if all(x["agrees"] for x in metrics["rows"])
+                         else "disagrees")
+        print(f"receipt: {write_receipt(args.receipt, r)}")
+    return 0 if all(x["agrees"] for x in metrics["rows"]) else 1
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
 
 
 if __name__ == "__main__":

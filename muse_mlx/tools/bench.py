@@ -1,4 +1,4 @@
-"""`python -m muse_mlx.bench`: decode and prefill throughput on the kernel path, with a receipt.
+"""`python -m muse_mlx.tools.bench`: decode and prefill throughput on the kernel path, with a receipt.
 
 Cells (each: warm-up, then --reps repetitions; mean and CV of tok/s):
 - decode: batch 1, greedy, at each --depths value, two ways (decode_cell): synced (a host
@@ -27,7 +27,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .errors import MuseError
+from ..errors import MuseError
+from .. import cli
+from ..cli import Parser
 
 
 def _stats(samples: list[float]) -> dict:
@@ -141,8 +143,8 @@ def prefill_cell(model, length: int, reps: int, warmup: int) -> dict:
 
 def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
     """One token's projections only: our kernels against MLX's affine 4-bit quantized_matmul."""
-    from . import kernels
-    from .quant import dequantize
+    from .. import kernels
+    from ..quant import dequantize
 
     projs = model.projections()
     xs = {p.shape[0]: mx.random.normal((1, p.shape[0])) for p in projs}
@@ -184,7 +186,7 @@ def launch_overhead_cell(launches: int, reps: int, warmup: int) -> dict:
     """`launches` matvecs of a tiny Q4_K matrix (32 x 256) in one graph: host and launch cost per call."""
     from gguf import GGMLQuantizationType as QT
 
-    from . import kernels
+    from .. import kernels
     from .fixtures import random_blocks
 
     w = mx.array(random_blocks(32, 256, QT.Q4_K, np.random.default_rng(0)))
@@ -205,9 +207,9 @@ def launch_overhead_cell(launches: int, reps: int, warmup: int) -> dict:
 
 
 def run_bench(args) -> dict:
-    from .artifact import open_artifact
+    from ..artifact import open_artifact
     from .envelope import envelope
-    from .model import Model
+    from ..model import Model
 
     artifact = open_artifact(args.model)
     t = time.perf_counter()
@@ -218,7 +220,7 @@ def run_bench(args) -> dict:
     g = model.geometry
     types = {n: t.qtype for n, t in artifact.tensors.items()}
     bw = read_bandwidth_gbps()
-    from . import kernels
+    from .. import kernels
 
     out = {"model": str(args.model), "matvec_loop": kernels.matvec_loop(),
            "attention_rows": kernels.attention_prefetch_rows(), "attention_loop": kernels.attention_loop(),
@@ -285,13 +287,8 @@ def _ints(text: str) -> list[int]:
         raise MuseError(f"expected comma-separated integers, got {text!r}") from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise MuseError(f"{self.prog}: {message}")
-
-
-def main(argv=None) -> int:
-    p = _Parser(prog="python -m muse_mlx.bench", description=__doc__.splitlines()[0])
+def _command(argv=None) -> int:
+    p = Parser(prog="python -m muse_mlx.tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a muse-glimmer GGUF (the numbers are as synthetic as the file)")
     p.add_argument("--depths", default="0,32768", help="decode depths (default %(default)s)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode repetition (default %(default)s)")
@@ -303,31 +300,31 @@ def main(argv=None) -> int:
     p.add_argument("--combine", nargs=2, metavar=("OURS_JSON", "LLAMA_BENCH_JSON"),
                    help="fold a llama-bench -o json result into our receipt, with ratios")
     p.add_argument("--synthetic", action="store_true", help="label the numbers synthetic (random-block fixture)")
-    try:
-        args = p.parse_args(argv)
-        from .receipts import make_receipt, write_receipt
+    args = p.parse_args(argv)
+    from .receipts import make_receipt, write_receipt
 
-        if args.combine:
-            data = combine(*args.combine)
-            for r in data["ratios"]:
-                if "ratio_llama_over_ours" in r:
-                    print(f"{r['cell']}: llama.cpp {r['llama']['avg_ts']:.2f} tok/s, ours {r['ours_tok_s']:.2f} tok/s, "
-                          f"ratio llama/ours {r['ratio_llama_over_ours']:.3f}")
-            receipt = make_receipt("bench/compare", inputs={"ours": args.combine[0], "llama_bench": args.combine[1]},
-                                   metrics=data, synthetic=data["ours"].get("synthetic"))
-        else:
-            if not args.model:
-                raise MuseError("--model is required")
-            args.depths, args.prefill = _ints(args.depths), _ints(args.prefill)
-            metrics = run_bench(args)
-            receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {"model": str(args.model)},
-                                   metrics=metrics, synthetic=args.synthetic)
-        if args.receipt:
-            print(f"receipt: {write_receipt(args.receipt, receipt)}")
-        return 0
-    except MuseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.combine:
+        data = combine(*args.combine)
+        for r in data["ratios"]:
+            if "ratio_llama_over_ours" in r:
+                print(f"{r['cell']}: llama.cpp {r['llama']['avg_ts']:.2f} tok/s, ours {r['ours_tok_s']:.2f} tok/s, "
+                      f"ratio llama/ours {r['ratio_llama_over_ours']:.3f}")
+        receipt = make_receipt("bench/compare", inputs={"ours": args.combine[0], "llama_bench": args.combine[1]},
+                               metrics=data, synthetic=data["ours"].get("synthetic"))
+    else:
+        if not args.model:
+            raise MuseError("--model is required")
+        args.depths, args.prefill = _ints(args.depths), _ints(args.prefill)
+        metrics = run_bench(args)
+        receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {"model": str(args.model)},
+                               metrics=metrics, synthetic=args.synthetic)
+    if args.receipt:
+        print(f"receipt: {write_receipt(args.receipt, receipt)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""The command-line contract every `python -m muse_mlx...` command keeps.
+
+A user error (a bad flag, file, prompt or value) prints one line, `error: <what was wrong>`, to
+stderr and exits 2; Ctrl-C prints `interrupted` and exits 130; a closed stdout (output piped
+into `head`) ends the command quietly with 0, as `head` expects. Anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from .errors import MuseError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the one-line error: a bad flag raises MuseError instead of printing the usage."""
+
+    def error(self, message):
+        raise MuseError(f"{self.prog}: {message}")
+
+
+def run(command: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run `command(argv)` under the contract; returns the exit status."""
+    try:
+        return command(argv)
+    except MuseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away: point stdout at /dev/null so the interpreter's final flush
+        # does not raise a second time, and leave quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def ints(text: str, flag: str) -> list[int]:
+    """A comma-separated list of integers, as flags like --depths take them."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise MuseError(f"{flag}: expected comma-separated integers, got {text!r}") from None
