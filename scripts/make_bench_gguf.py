@@ -1,18 +1,15 @@
 """Write the full-geometry benchmark GGUF: random valid blocks in the Q4_K_M layout (~16.9 GB, synthetic).
 
 Usage: python scripts/make_bench_gguf.py OUT.gguf [--seed N] [--layout q4_k_m|nvfp4]
+(with the package installed, `pip install -e .`, or PYTHONPATH at the repository root as on the device)
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gguf import GGMLQuantizationType as QT
 
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-
-from muse_mlx.tools.fixtures import gguf_bytes, kquant_mix, uniform_types, write_random_blocks  # noqa: E402
-from muse_mlx.geometry import PINNED  # noqa: E402
+from muse_mlx.geometry import PINNED
+from muse_mlx.tools.fixtures import gguf_bytes, kquant_mix, uniform_types, write_random_blocks
 
 p = argparse.ArgumentParser()
 p.add_argument("out")

@@ -1,4 +1,4 @@
-"""Fold an `ncu --csv --page raw` listing (scripts/profile_decode.sh) by kernel name.
+"""Fold an `ncu --csv --page raw` listing (scripts/device/profile_decode.sh) by kernel name.
 
 Per name: launches, total and mean time, DRAM read GB/s over the kernel's own time, warp
 instructions per KB of DRAM read, occupancy and issue activity (time-weighted means), and

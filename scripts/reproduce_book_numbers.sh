@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=receipts/research
 mkdir -p "$out"
-python -m muse_mlx.footprint --plot "$out/figure-22-1.png" --receipt "$out/footprint-pinned.json"
-python -m muse_mlx.envelope --tok-s 35.4395 --receipt "$out/envelope-book-inputs.json"
+python -m muse_mlx.tools.footprint --plot "$out/figure-22-1.png" --receipt "$out/footprint-pinned.json"
+python -m muse_mlx.tools.envelope --tok-s 35.4395 --receipt "$out/envelope-book-inputs.json"

@@ -5,6 +5,8 @@ Needs the parity extra (llama-cpp-python==0.3.36). Numbers come from synthetic f
 
 import ctypes
 import dataclasses
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ import muse_mlx.model as model_module
 from muse_mlx.tools import parity
 from muse_mlx.artifact import open_artifact
 from muse_mlx.tools.llamacpp import LlamaCpp, lib
+from muse_mlx.tools.receipts import write_new_receipt
 from muse_mlx.model import Model, load
 from muse_mlx.quant import quantize_nvfp4
 from muse_mlx.tokenizer import MuseTokenizer
@@ -199,9 +202,16 @@ def test_cli_writes_receipts(f32_fixture, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "f32" in r.stdout and "pass" in r.stdout
-    receipt = (tmp_path / "f32.json").read_text()
+    # one new file per lane and run, named by the run's date and revision, never overwritten
+    (path,) = tmp_path.glob("*.json")
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-([0-9a-f]{7}(-dirty)?|norev)-f32\.json", path.name), path.name
+    assert str(path) in r.stdout
+    receipt = path.read_text()
     for key in ('"llama-cpp-python": "0.3.36"', '"model_sha256"', '"verdict": "pass"', '"synthetic": true'):
         assert key in receipt
+    again = [write_new_receipt(tmp_path, "f32", json.loads(receipt)) for _ in range(2)]
+    assert [a.name for a in again] == [path.name.replace(".json", f"-{n}.json") for n in (2, 3)]
+    assert path.read_text() == receipt
 
 
 @pytest.mark.parametrize("args", [["--lanes", "q3_k"], ["--prefill", "0"], ["--prefill", "5000"]])

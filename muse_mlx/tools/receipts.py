@@ -113,6 +113,41 @@ def write_receipt(path, receipt: dict) -> Path:
     return path
 
 
+def run_receipt_name(name: str, receipt: dict) -> str:
+    """'<YYYY-MM-DD>-<revision>-<name>.json' for a receipt that one run writes beside earlier
+    runs' (parity lanes): the UTC date of its created_utc and the first 7 hex digits of its git
+    revision, '-dirty' after them when tracked files differed from that revision, 'norev' when
+    none is known."""
+    rev = receipt.get("git") or {}
+    tag = "".join(c for c in str(rev.get("revision") or "")[:7] if c.isalnum()) or "norev"
+    if rev.get("dirty"):
+        tag += "-dirty"
+    return f"{receipt['created_utc'][:10]}-{tag}-{name}.json"
+
+
+def write_new_receipt(folder, name: str, receipt: dict) -> Path:
+    """Write `receipt` to a new file in `folder` (run_receipt_name), never over an existing one:
+    when the name is taken (another run of the same day and revision), '-2', '-3', ... is added
+    before '.json'. Atomic like write_receipt: the file appears whole, under a name no other
+    writer holds (a hard link from the temporary file, which fails if the name exists)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = run_receipt_name(name, receipt)[: -len(".json")]
+    tmp = folder / f".{stem}.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(receipt, indent=2, sort_keys=False, default=_json_default) + "\n")
+    try:
+        for n in range(1, 10_000):
+            path = folder / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+            try:
+                os.link(tmp, path)
+                return path
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{folder}: no free name for {stem}.json")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _json_default(x):
     try:
         import numpy as np

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One warm decode token under Nsight Compute (device side; the machine's image has ncu).
-#   bash scripts/profile_decode.sh MODEL.gguf OUTDIR [DEPTH]
+#   bash scripts/device/profile_decode.sh MODEL.gguf OUTDIR [DEPTH]
+# Needs MLX (source ~/.muse-device/env.sh) and the package on PYTHONPATH (the device scripts set both).
 # Writes OUTDIR/ncu-token.csv (each of our kernels in the token: time, DRAM bytes, instructions,
 # occupancy, issue activity), OUTDIR/ncu-token-summary.txt (the same folded by kernel name)
 # and OUTDIR/ncu-details-*.txt (full sections, stall reasons and the hottest SASS, for the
 # first kernels of the token whose names match each DETAIL regex). Clocks are left alone (--clock-control none).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MODEL=$1 OUTDIR=$2 DEPTH=${3:-512}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
@@ -26,10 +27,11 @@ smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio}
 # NCU_ARGS: more ncu options, e.g. "--cache-control none" (by default ncu flushes the caches
 # before each kernel, which overstates small kernels that normally find their inputs in L2).
 timeout "${NCU_TIMEOUT:-200}" "$NCU" --profile-from-start off --clock-control none ${NCU_ARGS:-} --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
-  --csv --page raw python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" ${VARIANTS:+--variants "$VARIANTS"} \
+  --csv --page raw python3 scripts/device/profile_decode.py --model "$MODEL" --depth "$DEPTH" ${VARIANTS:+--variants "$VARIANTS"} \
   > "$OUTDIR/ncu-token${TAG:-}.csv" 2> "$OUTDIR/ncu-token${TAG:-}.err"
 echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token${TAG:-}.err"
-# VARIANTS="tag:VAR=value VAR=value;tag2:..." (profile_decode.py --variants): one token per variant, folded apart.
+# VARIANTS="tag:name=value,...;tag2:..." (kernel configurations, profile_decode.py --variants): one token
+# per variant, folded apart.
 PARTS=$(python3 -c 'import sys; print(",".join(v.split(":")[0] for v in sys.argv[1].split(";") if v))' "${VARIANTS:-}")
 python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" ${PARTS:+--parts "$PARTS"} | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
 # Full sections for the first kernels of the token matching each regex (name:count).
@@ -38,6 +40,6 @@ for spec in ${DETAIL-"matvec_stream|attention_partial:8" "silu_q4_k:1"}; do
   timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k "regex:$rx" \
     --launch-count "$count" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats --section SourceCounters \
-    python3 scripts/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-details-$tag.txt" 2>&1
+    python3 scripts/device/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-details-$tag.txt" 2>&1
   echo "ncu details $spec rc $?"
 done

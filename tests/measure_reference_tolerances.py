@@ -1,26 +1,29 @@
 """Measure the engine's reference path against the independent float64 forward pass (tests/reference.py)
-on the default synthetic fixture, and write a receipt (receipts/reference/float64.json).
+on the default synthetic fixture and two ill-conditioned random-block fixtures, and write a
+receipt (receipts/reference/float64.json).
 
-These are the numbers the tolerances in tests/test_model.py are set against.
-Usage: python scripts/measure_reference_tolerances.py
+These are the numbers the tolerances in tests/test_model.py are set against. A tool beside the
+test oracle, not a test (pytest collects only test_*.py): run from the repository root with the
+package installed (pip install -e .) as
+
+    python tests/measure_reference_tolerances.py
+
+Python puts the script's folder, tests/, first on the import path, so `reference` is the oracle
+the tests import.
 """
-import sys
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from reference import ReferenceModel
+
+from muse_mlx.model import load
+from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, ensure_fixture, kquant_mix, write_random_blocks
+from muse_mlx.tools.parity import logit_metrics
+from muse_mlx.tools.receipts import file_sha256, make_receipt, write_receipt
+
 root = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(root), str(root / "tests")]
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-
-from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, ensure_fixture, kquant_mix, write_random_blocks  # noqa: E402
-from muse_mlx.model import load  # noqa: E402
-from muse_mlx.tools.parity import logit_metrics  # noqa: E402
-from muse_mlx.tools.receipts import file_sha256, make_receipt, write_receipt  # noqa: E402
-from reference import ReferenceModel  # noqa: E402
-
 g = DEFAULT_GEOMETRY
 path = ensure_fixture()
 work = Path(ensure_fixture().parent)
@@ -37,7 +40,7 @@ tokens = np.random.default_rng(1).integers(0, g.n_vocab, n)
 metrics = {}
 for fixture, fpath in files.items():
     for name, kv_dtype, kv_f16 in (("f32_kv", mx.float32, False), ("f16_kv", mx.float16, True)):
-        model = load(fpath, use_kernels=False)
+        model = load(fpath, backend="reference")
         cache = model.make_cache(n, dtype=kv_dtype)
         ours = np.array(model.prefill(mx.array(tokens), cache, all_logits=True))
         ref = ReferenceModel(fpath, kv_f16=kv_f16).logits(tokens)
