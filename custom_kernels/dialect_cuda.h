@@ -34,17 +34,3 @@ __device__ __forceinline__ float warp_max(float v) {
 #define FLOAT_TO_HALF(x) __float2half_rn(x)
 __device__ __forceinline__ float shuffle_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float shuffle_idx(float v, int l) { return __shfl_sync(0xffffffffu, v, l); }
-// Staging rows in threadgroup memory (matvec_stream.inc, loop_staged): STAGE(T) qualifies a
-// pointer into it, STAGE_MEMORY declares it (sized at launch: MLX's `shared_memory`).
-// copy16_async copies 16 bytes (the first n of them from src, zeros after) with cp.async,
-// which goes around the registers and the L1; ASYNC_COMMIT closes a group of copies and
-// ASYNC_WAIT(n) waits until at most n groups are still in flight (this thread's copies; a
-// BARRIER() after it makes every thread's visible).
-#define STAGE(T) T
-#define STAGE_MEMORY(name, bytes) extern __shared__ uint4 name##_words[]; uint8_t* name = (uint8_t*)name##_words
-__device__ __forceinline__ void copy16_async(uint8_t* dst, const uint8_t* src, uint32_t n) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n) : "memory");
-}
-#define ASYNC_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
-#define ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory")

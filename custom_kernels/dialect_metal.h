@@ -33,18 +33,3 @@ inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
 #define FLOAT_TO_HALF(x) half(x)
 inline float shuffle_xor(float v, int m) { return simd_shuffle_xor(v, ushort(m)); }
 inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
-// Staging rows in threadgroup memory (see dialect_cuda.h). Metal has no asynchronous copy in
-// MSL: copy16_async is a plain copy, ASYNC_COMMIT / ASYNC_WAIT do nothing, and the BARRIER()
-// after them orders the copies; the memory is declared with its size (at most 32 KB).
-#define STAGE(T) threadgroup T
-#define STAGE_MEMORY(name, bytes) threadgroup uint4 name##_words[(bytes) / 16]; \
-  threadgroup uint8_t* name = (threadgroup uint8_t*)name##_words
-inline void copy16_async(threadgroup uint8_t* dst, const device uint8_t* src, uint32_t n) {
-  if (n == 16u) {
-    *((threadgroup uint4*)dst) = *((const device uint4*)src);
-    return;
-  }
-  for (uint32_t i = 0u; i < 16u; ++i) dst[i] = i < n ? src[i] : uint8_t(0);
-}
-#define ASYNC_COMMIT()
-#define ASYNC_WAIT(n)

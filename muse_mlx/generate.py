@@ -26,21 +26,26 @@ DEFAULT_PROMPT = "The weights are a river."
 
 def generate_tokens(model, cache: SlotCache, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                     stop_ids=frozenset()) -> Iterator[int]:
-    """Prefill the prompt, then sample up to `max_tokens` tokens, stopping at a stop id or a full cache.
+    """Prefill the prompt, then sample up to `max_tokens` tokens (decode_tokens)."""
+    logits = model.prefill(prompt_ids, cache)
+    yield from decode_tokens(model, cache, sampler.token(logits[-1]), sampler, max_tokens, stop_ids)
+
+
+def decode_tokens(model, cache: SlotCache, token: mx.array, sampler: Sampler, max_tokens: int,
+                  stop_ids=frozenset()) -> Iterator[int]:
+    """From the lazy first token, up to `max_tokens` tokens, stopping at a stop id or a full cache
+    (the one decode loop: generate, the parity harness and the bench run it).
 
     Pipelined: the step that feeds token t back is built from t's lazy value and submitted
     (mx.async_eval) before t is read, so the host prepares step t+1 while the GPU computes
-    step t (as mlx-lm generates; `python -m muse_mlx.bench` times both ways). The tokens are
-    those of feeding each token back only after reading it. The cache contract: it holds the
-    prompt and every token fed back, which here includes a stop token (that step was already
-    under way when the stop was read), but not the last token when max_tokens or the context
-    ends the run."""
-    logits = model.prefill(prompt_ids, cache)
-    token = sampler.token(logits[-1])
+    step t (as mlx-lm generates). The tokens are those of feeding each token back only after
+    reading it. The cache contract: it holds the prompt and every token fed back, which here
+    includes a stop token (that step was already under way when the stop was read), but not
+    the last token when max_tokens or the context ends the run."""
     for i in range(max_tokens):
         following = None
         if i + 1 < max_tokens and cache.room > 0:
-            following = sampler.token(model(token.reshape(1), cache, all_logits=False)[-1])
+            following = sampler.token(model.step(token, cache))
             mx.async_eval(following)
         value = int(token.item())
         if value in stop_ids:
@@ -90,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", help="system message for --chat")
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
     p.add_argument("--reference", action="store_true",
-                   help="use the MLX-ops reference path even on a GPU (same as MUSE_MLX_REFERENCE=1)")
+                   help="use the MLX-ops reference path even on a GPU (the exactness path)")
     return p
 
 
@@ -117,7 +122,7 @@ def run(argv: list[str] | None = None) -> int:
     from .tokenizer import MuseTokenizer
 
     model = load(args.model if args.model is not None else default_model_path(),
-                 use_kernels=False if args.reference else None)
+                 backend="reference" if args.reference else "auto")
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:

@@ -173,6 +173,19 @@ class SlotCache:
     def state(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.state()]
 
+    def fill_random(self, depth: int, seed: int = 0) -> None:
+        """Synthetic content for benchmarks: every layer's storage random f16 rows (timing depends on
+        the sizes, not the values), `depth` positions as if held. Not a cache of any token sequence."""
+        if not 0 <= depth <= self.context:
+            raise ContextLimitError(f"depth {depth} is outside the slot's 0..{self.context} positions")
+        key = mx.random.key(seed)
+        for layer in self.layers:
+            key, k1, k2 = mx.random.split(key, 3)
+            layer.keys = (0.5 * mx.random.normal(layer.keys.shape, key=k1)).astype(layer.dtype)
+            layer.values = mx.random.normal(layer.values.shape, key=k2).astype(layer.dtype)
+            layer.offset = depth
+        mx.eval(self.state())
+
     def rebind(self, state: list[mx.array], n_new: int) -> None:
         """Take `state` (as state() lists it, n_new more positions written) as every layer's storage."""
         if len(state) != 2 * len(self.layers):

@@ -1,31 +1,28 @@
-"""The Muse Glimmer forward pass as MLX modules, in the order the data flows.
-
-The forward pass (DESIGN.md §1), computed in float32:
+"""The Muse Glimmer forward pass, once, in the order the data flows.
 
     x = rmsnorm(embed[tok])                                   (no weight)
+    h = rmsnorm(x) * attn_norm[0]
     per layer:
-      h = rmsnorm(x) * attn_norm
       q, k, v, g = Wq h, Wk h, Wv h, Wgate h
       q, k = rmsnorm(q) * attn_q_norm, rmsnorm(k) * attn_k_norm    (per head)
       sliding layers: RoPE (ggml NORM mode: adjacent pairs), base rope.freq_base_swa
       full layers: no position encoding (NoPE)
-      K, V rounded to f16 and stored in the slot's ring / plane
-      a = softmax(q K^T / sqrt(head_dim) + mask) V     (window on sliding layers)
-      x = x + rmsnorm(Wo (a * sigmoid(g)), 1e-8) * post_attention_norm
-      h = rmsnorm(x) * ffn_norm
-      x = x + rmsnorm(Wdown(silu(Wgate h) * Wup h), 1e-8) * post_ffw_norm
-    logits = (Woutput (rmsnorm(x) * output_norm)) * logit_scale, then c*tanh(logits/c)
+      K, V rounded to the cache's dtype (f16) and stored in the slot's ring / plane
+      a = softmax(q K^T / sqrt(head_dim) + mask) V * sigmoid(g)    (window on sliding layers)
+      x = x + rmsnorm(Wo a, 1e-8) * post_attention_norm;   h = rmsnorm(x) * ffn_norm
+      x = x + rmsnorm(Wdown(silu(Wgate h) * Wup h), 1e-8) * post_ffw_norm;   h = rmsnorm(x) * (next norm)
+    logits = (Woutput h) * logit_scale, then c*tanh(logits/c)   (h normed by output_norm)
 
-Two paths share this code (kernels.py chooses): the MLX-ops reference path keeps
-every matrix as dense float32, dequantized once at load; the kernel path keeps
-the raw GGUF blocks and multiplies them in place (custom_kernels/matvec.inc) for
-up to 8 rows at a time, dequantizing a matrix on the fly only for longer prefill
-chunks, and runs single-token attention with custom_kernels/attention.inc.
+Each sub-layer's residual add is written together with the next sub-layer's input norm
+(ops.residual_norm), the form the GPU fuses; the arithmetic is DESIGN.md §1's. The forward
+takes tokens (B, T) for B sequences with one SlotCache each: B = 1..4 for slots, T = 1 for a
+decode step, T = k + 1 for a speculative verify, T = a chunk for prefill. How each step is
+computed is the ops backend's (ops/): MLX ops, or the custom kernels over raw blocks. A decode
+step on the GPU (T = 1, f16 caches) runs as one mx.compile'd function of this same forward.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import mlx.core as mx
@@ -33,82 +30,38 @@ import mlx.nn as nn
 import numpy as np
 
 from .artifact import Artifact, RawTensor
+from .config import KernelConfig
 from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
-from . import kernels
-from .decode_kv import EagerRows, TracedRows, step_plan
 from .kv import KV_DTYPE, SlotCache
+from .ops import ReferenceOps, Slice, select_ops
 from .quant import dequantize
 
-# Bound on one attention score block (heads x queries x keys x 4 bytes) on the
-# reference path, so a 512-token chunk at depth 131,072 does not need 8.6 GB at once.
-_SCORE_BLOCK_BYTES = 256 * 2**20
 
+class Projections(nn.Module):
+    """The products of one input: named matrices, those of one type and row length stacked into
+    one product (one launch; the blocks themselves unchanged). Returns a Slice per name."""
 
-class Projection(nn.Module):
-    """y = x W^T for a GGUF matrix of any supported type (or several of one type, stacked by rows).
-
-    Reference path: dense float32 weights, dequantized once at load. Kernel path: the raw
-    blocks, multiplied in place by the matvec kernels for up to kernels.MAX_BATCH rows;
-    a longer chunk (prefill) dequantizes the matrix for that one product. Stacking the
-    rows of matrices that read the same input (Q, K and gate; FFN gate and up) makes one
-    launch of them; the blocks themselves are not changed.
-    """
-
-    def __init__(self, raws: RawTensor | list[RawTensor], use_kernels: bool):
+    def __init__(self, ops: ReferenceOps, named: dict[str, RawTensor]):
         super().__init__()
-        raws = raws if isinstance(raws, list) else [raws]
-        self.qtype = raws[0].qtype
-        if any(r.qtype != self.qtype or r.shape[0] != raws[0].shape[0] for r in raws):
-            raise ValueError("stacked projections need one type and one row length")
-        self.shape = (raws[0].shape[0], sum(r.shape[1] for r in raws))  # (in, out) in GGUF order
-        self.use_kernels = use_kernels and kernels.supports(self.qtype)
-        blocks = mx.concatenate([mx.array(np.ascontiguousarray(r.data)) for r in raws]) if len(raws) > 1 \
-            else mx.array(np.ascontiguousarray(raws[0].data))  # (out, row_bytes)
-        if self.use_kernels:
-            self.blocks = blocks
-        else:
-            self.weight = dequantize(blocks, self.qtype)  # (out, in)
+        self._ops = ops
+        groups: dict[tuple, list[str]] = {}
+        for name, raw in named.items():
+            groups.setdefault((raw.qtype, raw.shape[0]), []).append(name)
+        self.products = [ops.matrix([named[n] for n in names]) for names in groups.values()]
+        self._layout = []   # (product index, name, offset, width)
+        for p, names in enumerate(groups.values()):
+            offset = 0
+            for n in names:
+                self._layout.append((p, n, offset, named[n].shape[1]))
+                offset += named[n].shape[1]
 
-    def __call__(self, x: mx.array) -> mx.array:
-        if not self.use_kernels:
-            return x @ self.weight.T
-        if x.shape[0] <= kernels.MAX_BATCH:
-            return kernels.matvec(self.blocks, self.qtype, x)
-        return x @ dequantize(self.blocks, self.qtype).T
+    def __call__(self, h: mx.array) -> dict[str, Slice]:
+        outs = [self._ops.project(w, h) for w in self.products]
+        return {n: Slice(outs[p], offset, width) for p, n, offset, width in self._layout}
 
 
-    def streams_one_token(self) -> bool:
-        """Whether a one-token product takes the streaming kernel (kernels.streams)."""
-        return self.use_kernels and kernels.streams(self.qtype, self.shape[0])
-
-
-class ResidualStep:
-    """The normed input h of a sub-layer in a decode token, as the projections that read it need it.
-
-    Either given (the first layer: h and the residual x), or pending: h = rmsnorm(r)·w_next with
-    r = x + rmsnorm(f)·w_post, the previous sub-layer's output f joining the residual.
-    `project(projections)` returns each projection of h (one token) and sets `residual` to r.
-    With kernels.settings().fuse_norm and every projection streaming, each makes h in its own
-    prologue (kernels.matvec_resnorm: no residual_norm launch); otherwise h is made once
-    (kernels.residual_norm) and multiplied as usual."""
-
-    def __init__(self, x: mx.array, f: mx.array | None = None, w_post: mx.array | None = None,
-                 w_next: mx.array | None = None, eps: mx.array | None = None, h: mx.array | None = None):
-        self.residual, self.h = (x, h) if h is not None else (None, None)
-        self.pending = (x, f, w_post, w_next, eps)
-
-    def project(self, projections: list[Projection]) -> list[mx.array]:
-        if self.h is None:
-            if kernels.settings().fuse_norm and all(p.streams_one_token() for p in projections):
-                outs = [kernels.matvec_resnorm(p.blocks, p.qtype, *self.pending) for p in projections]
-                self.residual = outs[0][1]
-                return [y for y, _ in outs]
-            self.residual, self.h = kernels.residual_norm(*self.pending)
-        return [p(self.h) for p in projections]
-
-
-def _stackable(raws: list[RawTensor]) -> bool:
-    return len({r.qtype for r in raws}) == 1
+def _vector(raw: RawTensor) -> mx.array:
+    return dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype).reshape(-1)
 
 
 class Embedding(nn.Module):
@@ -123,8 +76,45 @@ class Embedding(nn.Module):
         return dequantize(self.rows[tokens], self.qtype)
 
 
-def _vector(raw: RawTensor) -> mx.array:
-    return dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype).reshape(-1)
+class Attention(nn.Module):
+    def __init__(self, ops: ReferenceOps, g: Geometry, layer: int, t: dict[str, RawTensor]):
+        super().__init__()
+        self._ops, self.g, self.layer = ops, g, layer
+        self.rope_half = g.rope_dim // 2 if g.is_swa(layer) else 0
+        self.attn_norm = _vector(t["attn_norm"])
+        self.wqkgv = Projections(ops, {"q": t["attn_q"], "k": t["attn_k"], "gate": t["attn_gate"], "v": t["attn_v"]})
+        self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
+        self.wo = ops.matrix([t["attn_output"]])
+        self.post_norm = _vector(t["post_attention_norm"])
+
+    def __call__(self, h: mx.array, rope: mx.array, kv, kv_dtype) -> mx.array:
+        """h (rows, n_embd), the normed input -> Wo of the gated attention (rows, n_embd)."""
+        p = self.wqkgv(h)
+        q, k, v = self._ops.qk_post(p["q"], p["k"], p["v"], self.q_norm, self.k_norm, rope, self.rope_half, self.g,
+                                    kv_dtype)
+        return self._ops.project(self.wo, kv.attend(self.layer, q, k, v, p["gate"]))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, ops: ReferenceOps, t: dict[str, RawTensor]):
+        super().__init__()
+        self._ops = ops
+        self.ffn_norm = _vector(t["ffn_norm"])
+        self.wgate_up = Projections(ops, {"gate": t["ffn_gate"], "up": t["ffn_up"]})
+        self.wdown = ops.matrix([t["ffn_down"]])
+        self.post_norm = _vector(t["post_ffw_norm"])
+
+    def __call__(self, h: mx.array) -> mx.array:
+        """h (rows, n_embd), the normed input -> Wdown(silu(Wgate h) * Wup h) (rows, n_embd)."""
+        p = self.wgate_up(h)
+        return self._ops.down_silu(self.wdown, p["gate"], p["up"])
+
+
+class Block(nn.Module):
+    def __init__(self, ops: ReferenceOps, g: Geometry, layer: int, t: dict[str, RawTensor]):
+        super().__init__()
+        self.attention = Attention(ops, g, layer, t)
+        self.feed_forward = FeedForward(ops, t)
 
 
 def rope_cos_sin(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
@@ -132,8 +122,7 @@ def rope_cos_sin(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.
 
     ggml (ggml_rope_cache_init) starts from theta = p and multiplies by
     theta_scale = base^(-2/rope_dim) once per pair, in float32; this reproduces that
-    recurrence so the angles round the way the reference's do.
-    """
+    recurrence so the angles round the way the reference's do."""
     theta_scale = np.float32(np.float32(base) ** np.float32(-2.0 / rope_dim))
     theta = positions.astype(np.float32)
     angles = np.empty((len(positions), rope_dim // 2), dtype=np.float32)
@@ -144,15 +133,9 @@ def rope_cos_sin(positions: np.ndarray, rope_dim: int, base: float) -> tuple[np.
     return np.cos(a64).astype(np.float32), np.sin(a64).astype(np.float32)
 
 
-def rope_tables(positions: np.ndarray, rope_dim: int, base: float) -> tuple[mx.array, mx.array]:
-    """rope_cos_sin as MLX arrays."""
-    cos, sin = rope_cos_sin(positions, rope_dim, base)
-    return mx.array(cos), mx.array(sin)
-
-
 class RopeRows:
-    """cos then sin of one position's RoPE angles (rope_cos_sin) for the decode step, worked out
-    for a block of positions at a time: one position alone costs ~30 us of numpy a token."""
+    """cos then sin of the RoPE angles of given positions, (rows, rope_dim), worked out a block of
+    256 positions at a time (one position alone costs ~30 us of numpy, every decode step)."""
 
     BLOCK = 256
 
@@ -160,229 +143,55 @@ class RopeRows:
         self.rope_dim, self.base = rope_dim, base
         self.block, self.table = -1, None
 
-    def row(self, position: int) -> np.ndarray:
-        block = position // self.BLOCK
-        if block != self.block:
-            cos, sin = rope_cos_sin(np.arange(block * self.BLOCK, (block + 1) * self.BLOCK), self.rope_dim, self.base)
-            self.block, self.table = block, np.concatenate([cos, sin], axis=1)
-        return self.table[position - block * self.BLOCK]
-
-
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of the first rope_dim dims; x is (L, heads, head_dim)."""
-    L, n_heads, head_dim = x.shape
-    rope_dim = 2 * cos.shape[-1]
-    pairs = x[..., :rope_dim].reshape(L, n_heads, rope_dim // 2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(L, n_heads, rope_dim)
-    if rope_dim == head_dim:
-        return rotated
-    return mx.concatenate([rotated, x[..., rope_dim:]], axis=-1)
-
-
-def attention(q: mx.array, keys: mx.array, values: mx.array, q_pos: np.ndarray, k_pos: np.ndarray,
-              window: int | None, scale: float) -> mx.array:
-    """Causal GQA attention in float32.
-
-    q: (L, n_head, hd); keys/values: (n_kv, N, hd) f16; q_pos (L,), k_pos (N,) absolute
-    positions. A key is visible iff k_pos <= q_pos and, with a window W,
-    q_pos - k_pos < W. Returns (L, n_head * hd).
-    """
-    L, n_head, hd = q.shape
-    n_kv, N, _ = keys.shape
-    group = n_head // n_kv
-    k = keys.astype(mx.float32)[:, None]          # (n_kv, 1, N, hd)
-    v = values.astype(mx.float32)[:, None]
-    qh = q.transpose(1, 0, 2).reshape(n_kv, group, L, hd)
-    step = max(1, _SCORE_BLOCK_BYTES // max(1, n_head * N * 4))
-    outs = []
-    for a in range(0, L, step):
-        b = min(L, a + step)
-        rel = q_pos[a:b, None] - k_pos[None, :]
-        visible = rel >= 0
-        if window is not None:
-            visible &= rel < window
-        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
-        scores = (qh[:, :, a:b] @ k.swapaxes(-1, -2)) * scale + mask
-        probs = mx.softmax(scores, axis=-1, precise=True)
-        outs.append(probs @ v)                    # (n_kv, group, b-a, hd)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    return out.reshape(n_head, L, hd).transpose(1, 0, 2).reshape(L, n_head * hd)
-
-
-def output_gate(a: mx.array, gate: mx.array) -> mx.array:
-    """The attention output gate: a * sigmoid(Wgate h), before the output projection."""
-    return a * mx.sigmoid(gate)
-
-
-@mx.compile
-def _silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
-class Attention(nn.Module):
-    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor], use_kernels: bool):
-        super().__init__()
-        self.g, self.sliding, self.use_kernels = g, g.is_swa(layer), use_kernels
-        self.attn_norm = _vector(t["attn_norm"])
-        qkg = [t["attn_q"], t["attn_k"], t["attn_gate"]]
-        # One launch for the projections of h: Q|K|gate, and V after them where its type is
-        # theirs (in Q4_K_M, the layers without "more bits" for V).
-        self.v_stacked = bool(use_kernels and _stackable(qkg + [t["attn_v"]]))
-        if use_kernels and _stackable(qkg):
-            self.wqkg = Projection(qkg + [t["attn_v"]] if self.v_stacked else qkg, use_kernels)
-        else:
-            self.wq, self.wk, self.wgate = (Projection(r, use_kernels) for r in qkg)
-        if not self.v_stacked:
-            self.wv = Projection(t["attn_v"], use_kernels)
-        self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
-        self.wo = Projection(t["attn_output"], use_kernels)
-        self.post_norm = _vector(t["post_attention_norm"])
-        self.scale = 1.0 / math.sqrt(g.head_dim)
-        self.eps = mx.array([g.rms_eps], dtype=mx.float32)
-
-    def decode_one(self, step: ResidualStep, rope: mx.array, kv, layer: int) -> mx.array:
-        """The kernel path's attention for one token: its normed input (a ResidualStep) -> Wo output (1, n_embd).
-
-        The same math as __call__, in fewer launches: q/k RMSNorm, RoPE and the f16 rounding
-        of K and V in one kernel (kernels.qk_post), the output gate inside the attention's
-        combine step. `kv` (decode_kv: EagerRows or TracedRows) writes layer `layer`'s row and
-        attends over its rows."""
-        g = self.g
-        if "wqkg" in self:  # one stacked product; the kernels read q, k, the gate (and v) at their offsets
-            outs = step.project([self.wqkg] if self.v_stacked else [self.wqkg, self.wv])
-            q = k = gate = outs[0]
-            offsets = (0, g.q_dim, g.q_dim + g.kv_dim)
-            v, v_offset = (q, 2 * g.q_dim + g.kv_dim) if self.v_stacked else (outs[1], 0)
-        else:
-            q, k, gate, v = step.project([self.wq, self.wk, self.wgate, self.wv])
-            offsets, v_offset = (0, 0, 0), 0
-        rope_half = g.rope_dim // 2 if self.sliding else 0
-        q, k16, v16 = kernels.qk_post(q, k, v, self.q_norm, self.k_norm, rope, rope_half, self.eps,
-                                      g.n_head, g.n_head_kv, g.head_dim, offsets[0], offsets[1], v_offset=v_offset)
-        kv.write(layer, k16, v16)
-        a = kv.attend(layer, q, gate=gate, gate_offset=offsets[2], out_shape=(1, g.q_dim))
-        return self.wo(a)
-
-    def __call__(self, x: mx.array, positions: np.ndarray, rope, cache) -> mx.array:
-        g, L = self.g, x.shape[0]
-        h = mx.fast.rms_norm(x, self.attn_norm, g.rms_eps)
-        if "wqkg" in self:
-            qkg = self.wqkg(h)
-            gate_end = 2 * g.q_dim + g.kv_dim
-            q, k, gate = qkg[:, :g.q_dim], qkg[:, g.q_dim:g.q_dim + g.kv_dim], qkg[:, g.q_dim + g.kv_dim:gate_end]
-        else:
-            q, k, gate = self.wq(h), self.wk(h), self.wgate(h)
-        v = qkg[:, gate_end:] if self.v_stacked else self.wv(h)
-        q = q.reshape(L, g.n_head, g.head_dim)
-        k = k.reshape(L, g.n_head_kv, g.head_dim)
-        v = v.reshape(L, g.n_head_kv, g.head_dim)
-        q = mx.fast.rms_norm(q, self.q_norm, g.rms_eps)
-        k = mx.fast.rms_norm(k, self.k_norm, g.rms_eps)
-        if self.sliding:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k16 = k.astype(cache.dtype).transpose(1, 0, 2)   # (n_kv, L, hd): the cache's layout
-        v16 = v.astype(cache.dtype).transpose(1, 0, 2)
-        # Attend over the rows held before this chunk plus the chunk's own, then store the
-        # chunk: correct for a chunk longer than the ring (kv.py). (One token on the kernel
-        # path with f16 KV takes decode_one instead.)
-        old_k, old_v, old_pos = cache.view()
-        keys = mx.concatenate([old_k, k16], axis=1)
-        values = mx.concatenate([old_v, v16], axis=1)
-        k_pos = np.concatenate([old_pos, positions])
-        cache.append(k16, v16)
-        window = g.sliding_window if self.sliding else None
-        a = attention(q, keys, values, positions, k_pos, window, self.scale)
-        return mx.fast.rms_norm(self.wo(output_gate(a, gate)), self.post_norm, POST_NORM_EPS)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, g: Geometry, t: dict[str, RawTensor], use_kernels: bool):
-        super().__init__()
-        self.eps = g.rms_eps
-        self.ffn_norm = _vector(t["ffn_norm"])
-        self.n_ff = g.n_ff
-        if use_kernels and _stackable([t["ffn_gate"], t["ffn_up"]]):  # one launch for gate and up
-            self.wgate_up = Projection([t["ffn_gate"], t["ffn_up"]], use_kernels)
-        else:
-            self.wgate, self.wup = Projection(t["ffn_gate"], use_kernels), Projection(t["ffn_up"], use_kernels)
-        self.wdown = Projection(t["ffn_down"], use_kernels)
-        self.post_norm = _vector(t["post_ffw_norm"])
-
-    def decode_one(self, step: ResidualStep) -> mx.array:
-        """The kernel path for one token: its normed input (a ResidualStep) -> Wdown output (1, n_embd)."""
-        down = self.wdown
-        fused = down.use_kernels and kernels.streams(down.qtype, self.n_ff)  # the activation made inside the product
-        if "wgate_up" in self:
-            (gu,) = step.project([self.wgate_up])
-            if fused:
-                return kernels.matvec_silu(down.blocks, down.qtype, gu, gu, up_offset=self.n_ff)
-            gate, up = gu[:, :self.n_ff], gu[:, self.n_ff:]
-        else:
-            gate, up = step.project([self.wgate, self.wup])
-            if fused:
-                return kernels.matvec_silu(down.blocks, down.qtype, gate, up)
-        return down(_silu_mul(gate, up))
-
-    def __call__(self, x: mx.array) -> mx.array:
-        h = mx.fast.rms_norm(x, self.ffn_norm, self.eps)
-        if "wgate_up" in self:
-            gu = self.wgate_up(h)
-            gate, up = gu[:, :self.n_ff], gu[:, self.n_ff:]
-        else:
-            gate, up = self.wgate(h), self.wup(h)
-        f = self.wdown(nn.silu(gate) * up)
-        return mx.fast.rms_norm(f, self.post_norm, POST_NORM_EPS)
-
-
-class Block(nn.Module):
-    def __init__(self, g: Geometry, layer: int, t: dict[str, RawTensor], use_kernels: bool):
-        super().__init__()
-        self.attention = Attention(g, layer, t, use_kernels)
-        self.feed_forward = FeedForward(g, t, use_kernels)
-
-    def __call__(self, x, positions, rope, cache):
-        x = x + self.attention(x, positions, rope, cache)
-        return x + self.feed_forward(x)
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        block = int(positions[0]) // self.BLOCK
+        if int(positions.max()) // self.BLOCK == block and int(positions.min()) >= block * self.BLOCK:
+            if block != self.block:
+                cos, sin = rope_cos_sin(np.arange(block * self.BLOCK, (block + 1) * self.BLOCK), self.rope_dim,
+                                        self.base)
+                self.block, self.table = block, np.concatenate([cos, sin], axis=1)
+            return self.table[positions - block * self.BLOCK]
+        return np.concatenate(rope_cos_sin(positions, self.rope_dim, self.base), axis=1)
 
 
 class Model(nn.Module):
-    """Muse Glimmer from a validated artifact, on the kernel path when a GPU backend is present."""
+    """Muse Glimmer from a validated artifact, its steps computed by one ops backend (ops/; default:
+    select_ops('auto'), the GPU kernels when MLX has a GPU, else MLX ops)."""
 
-    def __init__(self, artifact: Artifact, use_kernels: bool | None = None):
+    def __init__(self, artifact: Artifact, ops: ReferenceOps | None = None):
         super().__init__()
         self.artifact = artifact
-        self.backend = kernels.backend() if use_kernels is not False else None
-        if use_kernels and self.backend is None:
-            raise RuntimeError("the kernel path needs a Metal or CUDA device")
-        on_gpu = self.backend is not None
+        self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
         self.embed = Embedding(t["token_embd.weight"])
-        self.blocks = [
-            Block(g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}, on_gpu)
-            for il in range(g.n_layer)
-        ]
+        self.blocks = [Block(ops, g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS})
+                       for il in range(g.n_layer)]
         self.output_norm = _vector(t["output_norm.weight"])
-        self.output = Projection(t["output.weight"], on_gpu)
-        # RMSNorm epsilons of the fused residual step (kernels.residual_norm): post-norm, then the next norm.
-        self.eps_post_rms = mx.array([POST_NORM_EPS, g.rms_eps], dtype=mx.float32)
-        self._rope_rows = RopeRows(g.rope_dim, g.rope_base_swa)
-        self._compiled_steps: dict = {}   # (settings, StepPlan.trace_key) -> the compiled layers of a token
+        self.output = ops.matrix([t["output.weight"]])
+        self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
+        self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
         mx.eval(self.parameters())
 
     @property
-    def path(self) -> str:
-        return f"kernels ({self.backend})" if self.backend else "MLX ops (reference)"
+    def ops(self) -> ReferenceOps:
+        return self._ops
 
-    def projections(self) -> list[Projection]:
+    @property
+    def path(self) -> str:
+        return f"kernels ({self._ops.backend})" if self._ops.name == "gpu" else "MLX ops (reference)"
+
+    def matrices(self) -> list:
         """Every matrix product of one step, as launched (stacked ones count once)."""
-        return [m for m in self.modules() if isinstance(m, Projection)]
+        out = []
+        for block in self.blocks:
+            out += block.attention.wqkgv.products + [block.attention.wo]
+            out += block.feed_forward.wgate_up.products + [block.feed_forward.wdown]
+        return out + [self.output]
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes the loaded weights occupy (raw blocks on the kernel path, dense f32 on the reference path)."""
+        """Bytes the loaded weights occupy (raw blocks or dense float32, as the ops backend keeps them)."""
         from mlx.utils import tree_flatten
 
         return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
@@ -390,104 +199,90 @@ class Model(nn.Module):
     def make_cache(self, context: int | None = None, dtype=KV_DTYPE) -> SlotCache:
         return SlotCache(self.geometry, context or self.geometry.context_length, dtype)
 
-    def __call__(self, tokens: mx.array, cache: SlotCache, all_logits: bool = True) -> mx.array:
-        """Run `tokens` (L,) at positions cache.offset.. and return logits (L or 1, n_vocab)."""
-        g = self.geometry
-        L = tokens.shape[0]
-        cache.check_room(L)
-        if L == 1 and self.backend is not None and cache.dtype == mx.float16:
-            return self.decode_one(tokens, cache)
-        positions = np.arange(cache.offset, cache.offset + L, dtype=np.int64)
-        rope = rope_tables(positions, g.rope_dim, g.rope_base_swa)
-        x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
-        dequantizing = self.backend is not None and L > kernels.MAX_BATCH
-        for block, layer_cache in zip(self.blocks, cache.layers):
-            x = block(x, positions, rope, layer_cache)
-            if dequantizing:  # bound the dequantized weights alive at once to one layer's
-                mx.eval(x, layer_cache.state())
-        if not all_logits:
-            x = x[-1:]
-        return _final_logits(self.output(mx.fast.rms_norm(x, self.output_norm, g.rms_eps)), g.logit_scale,
-                             g.final_logit_softcap)
+    def __call__(self, tokens: mx.array, caches: list[SlotCache], last_only: bool = False) -> mx.array:
+        """tokens (B, T) at positions cache.offset.. of each sequence's cache -> logits (B, T, n_vocab),
+        or (B, 1, n_vocab) of each sequence's last token with `last_only`. The caches take the
+        tokens' K/V."""
+        if tokens.ndim != 2 or tokens.shape[0] != len(caches):
+            raise ValueError(f"tokens must be (B, T) with one cache per row; got {tokens.shape} and {len(caches)} caches")
+        B, T = tokens.shape
+        if len({c.dtype for c in caches}) != 1:
+            raise ValueError("the caches of one forward must share their dtype")
+        for cache in caches:
+            cache.check_room(T)
+        positions = np.concatenate([np.arange(c.offset, c.offset + T, dtype=np.int64) for c in caches])
+        rope = mx.array(self._rope.rows(positions))
+        kv = self._ops.kv_step(self.geometry, caches, T)
+        if kv.compiled:   # a DecodePlan: the forward compiled for its key
+            logits, *state = self._compiled_step(kv.key)(tokens, rope, *kv.arrays)
+            for b, cache in enumerate(caches):
+                n = 2 * len(cache.layers)
+                cache.rebind(state[b * n:(b + 1) * n], T)
+            return logits
+        return self.forward(tokens, rope, kv, caches[0].dtype, last_only)
 
-    def decode_one(self, tokens: mx.array, cache: SlotCache) -> mx.array:
-        """One token on the kernel path, in about 13 launches per layer (docs/kernels.md, "decode step").
-
-        The same forward pass as __call__, regrouped: each sub-layer's post-norm and residual
-        add are fused with the next sub-layer's input norm (kernels.residual_norm). With
-        MUSE_MLX_COMPILE=1 the layers run as one compiled function (_compiled_layers)."""
-        with kernels.frozen_settings() as s:  # the MUSE_MLX_* knobs read once for the token's ~600 launches
-            g = self.geometry
-            rope = mx.array(self._rope_rows.row(cache.offset))
-            x = mx.fast.rms_norm(self.embed(tokens), None, g.rms_eps)
-            if s.compile_step:
-                logits = self._compiled_layers(x, rope, cache, s)
-            else:
-                logits = self._decode_layers(x, rope, EagerRows(cache))
-            return _final_logits(logits, g.logit_scale, g.final_logit_softcap)
-
-    def _decode_layers(self, x: mx.array, rope: mx.array, kv) -> mx.array:
-        """The layers and the LM head of one token (before the logit scale): x (1, n_embd) normed
-        embedding -> (1, n_vocab); `kv` writes and reads the K/V (decode_kv)."""
-        g = self.geometry
+    def forward(self, tokens: mx.array, rope: mx.array, kv, kv_dtype, last_only: bool = False) -> mx.array:
+        """The forward over tokens (B, T); rope: cos|sin of each token row's angles; kv: the caches'
+        access for this step (ops: ChunkStep, or a DecodeStep inside the compiled step)."""
+        g, ops = self.geometry, self._ops
+        B, T = tokens.shape
+        x = mx.fast.rms_norm(self.embed(tokens.reshape(-1)), None, g.rms_eps)
         h = mx.fast.rms_norm(x, self.blocks[0].attention.attn_norm, g.rms_eps)
-        step = ResidualStep(x, h=h)
         for i, block in enumerate(self.blocks):
             att, ffn = block.attention, block.feed_forward
-            o = att.decode_one(step, rope, kv, i)
-            step = ResidualStep(step.residual, o, att.post_norm, ffn.ffn_norm, self.eps_post_rms)
-            f = ffn.decode_one(step)
+            x, h = ops.residual_norm(x, att(h, rope, kv, kv_dtype), att.post_norm, ffn.ffn_norm, POST_NORM_EPS,
+                                     g.rms_eps)
             w_next = self.blocks[i + 1].attention.attn_norm if i + 1 < len(self.blocks) else self.output_norm
-            step = ResidualStep(step.residual, f, ffn.post_norm, w_next, self.eps_post_rms)
-        (logits,) = step.project([self.output])
-        return logits
+            x, h = ops.residual_norm(x, ffn(h), ffn.post_norm, w_next, POST_NORM_EPS, g.rms_eps)
+            ops.end_layer(kv, i, x, h)
+        if last_only and T > 1:
+            h = h.reshape(B, T, -1)[:, -1]
+            T = 1
+        logits = ops.project(self.output, h) * g.logit_scale
+        if g.final_logit_softcap:
+            logits = mx.tanh(logits / g.final_logit_softcap) * g.final_logit_softcap
+        return logits.reshape(B, T, -1)
 
-    def _compiled_layers(self, x: mx.array, rope: mx.array, cache: SlotCache, s: kernels.Settings) -> mx.array:
-        """_decode_layers as an mx.compile'd function of (x, rope, the StepPlan's arrays, the K/V
-        storage) -> (logits, the storage with the token's rows written), traced once per settings
-        and StepPlan.trace_key (a new split count: ~4 per doubling of the depth), replayed by MLX
-        for every other token. The slot's storage is rebound to the outputs at once, so the old
-        arrays' only holders are the row writes (which may then write in place)."""
-        plan = step_plan(cache)
-        key = (s, plan.trace_key)
-        fn = self._compiled_steps.get(key)
+    def _compiled_step(self, key: tuple):
+        """The forward as an mx.compile'd function of (tokens, rope, the DecodePlan's arrays) ->
+        (logits, the storage with the token's rows written), traced once per key (a new split
+        count: ~4 per doubling of the depth) and replayed by MLX for every other token. It holds
+        the model weakly, so a model (whose weights the graph captures) is freed at `del`."""
+        fn = self._compiled.get(key)
         if fn is None:
-            model = weakref.ref(self)   # no cycle model -> compiled step -> model: freed with the model
+            from .ops.gpu import DecodeStep
 
-            def layers(x, rope, *arrays, plan_key=plan.trace_key, n_plan=len(plan.arrays)):
-                kv = TracedRows(plan_key, list(arrays[:n_plan]), list(arrays[n_plan:]))
-                return [model()._decode_layers(x, rope, kv), *kv.state]
-            fn = self._compiled_steps[key] = mx.compile(layers)
-        logits, *state = fn(x, rope, *plan.arrays, *cache.state())
-        cache.rebind(state, 1)
-        return logits
+            model, kernels = weakref.ref(self), self._ops.kernels
 
-    def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK,
-                all_logits: bool = False) -> mx.array:
-        """Feed a prompt in chunks of `chunk` positions; logits of the last token (or of all)."""
-        tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+            def step(tokens, rope, *arrays):
+                kv = DecodeStep(key, list(arrays), kernels)
+                return [model().forward(tokens, rope, kv, mx.float16), *kv.state]
+            fn = self._compiled[key] = mx.compile(step)
+        return fn
+
+    def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK, all_logits: bool = False) -> mx.array:
+        """Feed one sequence's prompt in chunks of `chunk` positions -> logits of its last token (1, V),
+        or of every token (L, V)."""
+        tokens = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens))
         cache.check_room(tokens.shape[0])
         outs = []
         for a in range(0, tokens.shape[0], chunk):
-            logits = self(tokens[a:a + chunk], cache, all_logits=all_logits)
+            logits = self(tokens[None, a:a + chunk], [cache], last_only=not all_logits)[0]
             mx.eval(logits, cache.state())
             outs.append(logits)
         return mx.concatenate(outs, axis=0) if all_logits else outs[-1]
 
-
-def _final_logits(logits: mx.array, scale: float, softcap: float) -> mx.array:
-    """logits * scale, then c * tanh(logits / c) when the file sets a softcap c."""
-    logits = logits * scale
-    if softcap:
-        logits = mx.tanh(logits / softcap) * softcap
-    return logits
+    def step(self, token: int | mx.array, cache: SlotCache) -> mx.array:
+        """One token of one sequence -> its logits (n_vocab,) (a lazy array: nothing waits on it)."""
+        token = token if isinstance(token, mx.array) else mx.array(token)
+        return self(token.reshape(1, 1), [cache])[0, 0]
 
 
-def load(path, use_kernels: bool | None = None) -> Model:
-    """Open, validate and load a GGUF; `use_kernels=False` forces the reference path."""
+def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig()) -> Model:
+    """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference' (ops.select_ops)."""
     from .artifact import open_artifact
 
-    return Model(open_artifact(path), use_kernels)
+    return Model(open_artifact(path), select_ops(backend, kernel_config))
 
 
-__all__ = ["Model", "Projection", "load", "attention", "apply_rope", "rope_cos_sin", "rope_tables", "output_gate"]
+__all__ = ["Model", "load", "rope_cos_sin"]

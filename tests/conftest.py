@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Keep the default fixture cache inside the test session."""
-    os.environ["MUSE_MLX_CACHE"] = str(tmp_path_factory.mktemp("muse-cache"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,9 @@ mx.fast.metal_kernel) is compiled with g++ behind a shim and executed:
   functions (`simd_sum`, `simd_max`, `simd_shuffle_xor`) exchange values through a barrier
   over the 32 lanes of the simdgroup (the sum is taken in lane order, not as a butterfly);
 - C++ has no address spaces: `device`, `constant`, `thread` and `threadgroup` are empty
-  words, so two dialect names that declare threadgroup memory are redefined after the
+  words, so the dialect name that declares threadgroup memory is redefined after the
   dialect: `SHARED` becomes `static` (one array shared by the threads of the running
-  threadgroup) and `STAGE_MEMORY` declares a static array the same way.
+  threadgroup).
 
 What this checks: the kernels' logic under the Metal dialect (indexing, loops, the Metal
 stand-ins for CUDA intrinsics, synchronisation points a missing barrier would break, every
@@ -21,9 +21,9 @@ not: Metal's compiler (address-space errors, MSL-only rules), Apple GPU timing, 
 simdgroup lockstep (a lane reading another lane's registers without a SIMD function would
 not be caught).
 
-`emulate(monkeypatch)` swaps `kernels.kernel` for a callable that runs this emulator with the
-inputs, template constants, grid and output shapes kernels.py passes, and pins the backend
-to "metal", so the launch plans of kernels.py for Metal are what runs.
+`emulated_kernels()` is a kernels.Kernels for the Metal device whose kernel objects run this
+emulator with the inputs, template constants, grid and output shapes the launches pass, so
+the Metal launch plans (kernels/plan.py) are what runs.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from muse_mlx import kernels
+from muse_mlx.config import KernelConfig
+from muse_mlx.kernels import Device, Kernels
+from muse_mlx.kernels.device import METAL_PLANNING_CORES
+from muse_mlx.kernels.source import KERNELS, render
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 _BUILD = Path(tempfile.gettempdir()) / "muse-metal-emulator"
@@ -141,8 +144,6 @@ int main(int argc, char** argv) {
 REDEFINE = """
 #undef SHARED
 #define SHARED static
-#undef STAGE_MEMORY
-#define STAGE_MEMORY(name, bytes) static uint4 name##_words[(bytes) / 16]; uint8_t* name = (uint8_t*)name##_words
 """
 
 
@@ -153,8 +154,8 @@ def _template_line(name, value) -> str:
 
 
 def _program(name: str, inputs: list[mx.array], out_dtypes: list, template: list) -> str:
-    family, parts, in_names, out_names = kernels.KERNELS[name]
-    header, source = kernels.render(family, parts, "metal")
+    family, parts, in_names, out_names = KERNELS[name]
+    header, source = render(family, parts, "metal")
     args = [f"const {C_TYPES[a.dtype][0]}* {n}" for n, a in zip(in_names, inputs)]
     args += [f"{C_TYPES[d][0]}* {n}" for n, d in zip(out_names, out_dtypes)]
     body = "".join(_template_line(k, v) for k, v in template)
@@ -214,7 +215,6 @@ class EmulatedKernel:
         return [mx.array(r) for r in results]
 
 
-def emulate(monkeypatch) -> None:
-    """Route kernels.py's launches through the emulator, with the Metal backend's plans."""
-    monkeypatch.setattr(kernels, "backend", lambda: "metal")
-    monkeypatch.setattr(kernels, "kernel", lambda name, which=None, shared_memory=0: EmulatedKernel(name))
+def emulated_kernels(config: KernelConfig = KernelConfig()) -> Kernels:
+    """Kernels for the Metal device whose launches run the emulator."""
+    return Kernels(Device("metal", METAL_PLANNING_CORES), config, build=lambda name, which, shared: EmulatedKernel(name))

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from muse_mlx import kernels
+from muse_mlx.kernels.source import read
 
 CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
@@ -58,14 +58,6 @@ int main() {
       const uint2 h = load8_at((const uint32_t*)words, (uint64_t)off);
       std::printf("%u %u %u %u %u %u\\n", q.x, q.y, q.z, q.w, h.x, h.y);
     }
-    else if (!std::strcmp(op, "copy")) {  // copy16_async of the first n of 16 bytes, into poisoned bytes
-      uint8_t src[16], dst[16]; unsigned n;
-      for (int i = 0; i < 16; ++i) { unsigned b; std::scanf("%u", &b); src[i] = (uint8_t)b; dst[i] = 0xAB; }
-      std::scanf("%u", &n);
-      copy16_async(dst, src, n);
-      for (int i = 0; i < 16; ++i) std::printf("%u ", dst[i]);
-      std::printf("\\n");
-    }
     else if (!std::strcmp(op, "scale")) {  // k4_scale_min_sel from three words, group g
       uint32_t s0, s1, s2; int g; std::scanf("%u %u %u %d", &s0, &s1, &s2, &g);
       const float2 r = k4_scale_min_sel(g, s0, s1, s2); std::printf("%g %g\\n", r.x, r.y);
@@ -79,7 +71,7 @@ int main() {
 def metal_helpers(tmp_path_factory):
     d = tmp_path_factory.mktemp("metal-dialect")
     src = d / "helpers.cpp"
-    src.write_text(SHIM + kernels._read("dialect_metal.h") + kernels._read("blocks.h") + MAIN)
+    src.write_text(SHIM + read("dialect_metal.h") + read("blocks.h") + MAIN)
     exe = d / "helpers"
     r = subprocess.run([CXX, "-std=c++17", "-O1", "-Wno-unknown-pragmas", str(src), "-o", str(exe)],
                        capture_output=True, text=True)
@@ -148,14 +140,3 @@ def test_q4_k_scale_unpacking(metal_helpers):
     got = metal_helpers(lines)
     want = [get_scale_min_k4(g, q) for q in blocks for g in range(8)]
     assert [tuple(int(float(v)) for v in x.split()) for x in got] == want
-
-
-def test_stage_copy_fills_past_the_source_with_zeros(metal_helpers):
-    """copy16_async (the staged matvec loop's copy, cp.async's zero fill on CUDA) copies the
-    first n bytes and zeros the rest: the last piece of a matrix whose size is not a multiple
-    of 16 bytes."""
-    rng = random.Random(5)
-    cases = [([rng.randrange(256) for _ in range(16)], n) for n in (16, 15, 8, 1, 0)]
-    out = metal_helpers([f"copy {' '.join(map(str, src))} {n}" for src, n in cases])
-    for (src, n), line in zip(cases, out):
-        assert [int(v) for v in line.split()] == src[:n] + [0] * (16 - n)

@@ -4,7 +4,7 @@ Tolerances, and why (max |Δ log-probability| over the whole vocabulary, every p
 - f32 KV against the reference without KV rounding: 1e-4. Both compute the same
   function; the engine does it in float32 (measured 1.7e-5 on the default fixture,
   212 tokens: float32 matmuls, RoPE angles by ggml's float32 recurrence;
-  receipts/reference/float64.json, scripts/measure_reference_tolerances.py).
+  receipts/reference/float64.json, tests/measure_reference_tolerances.py).
 - f16 KV (the contract) against the reference that rounds K/V to f16 too: 5e-3 max,
   5e-4 mean, top-1 agreement >= 0.98. Rounding to f16 amplifies the float32 noise:
   an element that lands near an f16 rounding boundary flips by one f16 ulp (4.9e-4
@@ -98,7 +98,7 @@ def test_incremental_decode_matches_full_forward(f32_fixture, default_tokens, re
     cache = model.make_cache(len(default_tokens), dtype=kv_dtype)
     steps = [np.array(model.prefill(mx.array(default_tokens[:37]), cache, all_logits=True))]
     for t in default_tokens[37:]:
-        steps.append(np.array(model(mx.array([int(t)]), cache)))
+        steps.append(np.array(model.step(int(t), cache))[None])
     incremental = np.concatenate(steps)
     full = engine_logits(f32_fixture, default_tokens, kv_dtype=kv_dtype)
     if kv_dtype == mx.float32:
@@ -132,11 +132,11 @@ def test_other_geometries(fixture_dir, name):
 
 def _protocol_logits(path, tokens, kv_dtype=mx.float16):
     """tests/gpu's protocol on the reference path: prefill 103 in chunks of 100, then one token at a time."""
-    model = load(path, use_kernels=False)
+    model = load(path, backend="reference")
     cache = model.make_cache(len(tokens), dtype=kv_dtype)
     rows = [np.array(model.prefill(mx.array(tokens[:103]), cache, chunk=100, all_logits=True))]
     for t in tokens[103:]:
-        rows.append(np.array(model(mx.array([int(t)]), cache)))
+        rows.append(np.array(model.step(int(t), cache))[None])
     return np.concatenate(rows)
 
 
@@ -149,7 +149,7 @@ def test_float32_noise_rule_on_the_random_fixture(tmp_path):
     K/V stored in bfloat16 instead of float16 fails (by 82x its allowance when written; the
     jittered path used 0.08 of it)."""
     from muse_mlx.tools.fixtures import kquant_mix, write_random_blocks
-    from muse_mlx.model import Projection
+    from muse_mlx.ops import ReferenceOps
     from reference import within_float32_noise
 
     g = DEFAULT_GEOMETRY
@@ -158,18 +158,18 @@ def test_float32_noise_rule_on_the_random_fixture(tmp_path):
     oracle_model = ReferenceModel(path)
     assert np.array_equal(oracle_model.logits(tokens, eps=0.0, seed=5), oracle_model.logits(tokens))
     ref = _protocol_logits(path, tokens)
-    plain = Projection.__call__
+    plain = ReferenceOps.project
     rng = np.random.default_rng(11)
 
-    def jittered(self, x):
-        y = plain(self, x)
+    def jittered(self, w, x):
+        y = plain(self, w, x)
         return y * mx.array((1 + 1e-7 * rng.standard_normal(y.shape)).astype(np.float32))
 
-    Projection.__call__ = jittered
+    ReferenceOps.project = jittered
     try:
         other_order = _protocol_logits(path, tokens)
     finally:
-        Projection.__call__ = plain
+        ReferenceOps.project = plain
     assert not np.array_equal(other_order, ref)
     verdict = within_float32_noise(other_order, ref, oracle_model, tokens)
     assert verdict["ok"], verdict

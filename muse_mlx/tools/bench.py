@@ -17,7 +17,7 @@ into the receipt with the ratios llama.cpp ÷ muse_mlx (above 1: we are slower).
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import MuseError
 from .. import cli
 from ..cli import Parser
+from ..config import KernelConfig
 
 
 def _stats(samples: list[float]) -> dict:
@@ -54,73 +55,43 @@ def read_bandwidth_gbps(gigabytes: float = 8.0, reps: int = 5) -> dict:
     return _stats(samples)
 
 
-def fill_kv(cache, depth: int, seed: int = 0) -> None:
-    """Put `depth` positions of random f16 K/V rows into every layer (synthetic content)."""
-    key = mx.random.key(seed)
-    for layer in cache.layers:
-        key, k1, k2 = mx.random.split(key, 3)
-        layer.keys = (0.5 * mx.random.normal(layer.keys.shape, key=k1)).astype(layer.keys.dtype)
-        layer.values = mx.random.normal(layer.values.shape, key=k2).astype(layer.values.dtype)
-        layer.offset = depth
-    mx.eval(cache.state())
-
-
-def rewind(cache, depth: int) -> None:
-    for layer in cache.layers:
-        layer.offset = depth
-
-
 def decode_cell(model, depth: int, tokens: int, reps: int, warmup: int) -> dict:
-    """Greedy decode, two ways: `synced` waits for each token before building the next step
-    (as generate.py runs); `pipelined` builds step t+1 from the lazy argmax of step t while
-    the GPU computes step t (mx.async_eval, as mlx-lm generates), so host and GPU overlap."""
+    """Greedy decode from a cache filled to `depth` with random f16 rows (synthetic content), two
+    ways: `synced` waits for each token before building the next step; `pipelined` is the
+    engine's decode loop (generate.decode_tokens: step t+1 built from the lazy token of step t
+    while the GPU computes step t)."""
+    from ..generate import decode_tokens
+    from ..sampling import Sampler, SamplerSettings
+
     cache = model.make_cache(depth + 2 * tokens + 2)
-    fill_kv(cache, depth)
+    greedy = Sampler(SamplerSettings())
 
     def synced() -> float:
-        rewind(cache, depth)
+        cache.fill_random(depth)
         token = 1
         t = time.perf_counter()
         for _ in range(tokens):
-            logits = model(mx.array([token]), cache, all_logits=False)
-            token = int(mx.argmax(logits[-1]).item())
+            token = int(mx.argmax(model.step(token, cache)).item())
         return tokens / (time.perf_counter() - t)
-
-    host_ms: list[float] = []
 
     def pipelined() -> float:
-        rewind(cache, depth)
-        host = 0.0
+        cache.fill_random(depth)
         t = time.perf_counter()
-        nxt = mx.argmax(model(mx.array([1]), cache, all_logits=False)[-1]).reshape(1)
-        mx.async_eval(nxt)
-        for _ in range(tokens - 1):
-            h = time.perf_counter()
-            following = mx.argmax(model(nxt, cache, all_logits=False)[-1]).reshape(1)
-            mx.async_eval(following)
-            host += time.perf_counter() - h
-            nxt.item()
-            nxt = following
-        nxt.item()
-        host_ms.append(host * 1e3 / max(1, tokens - 1))
-        return tokens / (time.perf_counter() - t)
+        n = sum(1 for _ in decode_tokens(model, cache, mx.array(1), greedy, tokens))
+        return n / (time.perf_counter() - t)
 
     out = {"depth": depth, "tokens_per_rep": tokens, "kv_fill": "random f16 rows (synthetic)",
            "largest_kv_array_bytes": max(a.nbytes for a in cache.state())}
     for name, fn in (("synced", synced), ("pipelined", pipelined)):
         for _ in range(warmup):
             fn()
-        host_ms.clear()
-        mx.eval(cache.state())
+        cache.fill_random(depth)
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         out[f"tok_s_{name}"] = _stats([fn() for _ in range(reps)])
         # A K/V row write whose storage is still held elsewhere (e.g. by a step the GPU has not
         # finished) copies the whole array: the peak then rises by at least one storage array.
         out[f"peak_over_active_bytes_{name}"] = mx.get_peak_memory() - base
-    # Host time to build and submit one step (graph construction + async_eval), pipelined: when
-    # it approaches the time per token, the host, not the GPU, sets the pace.
-    out["host_ms_per_token_pipelined"] = _stats(host_ms)
     out["tok_s"] = max((out["tok_s_synced"], out["tok_s_pipelined"]), key=lambda c: c["mean"])
     out["tok_s_is"] = "pipelined" if out["tok_s"] is out["tok_s_pipelined"] else "synced"
     return out
@@ -143,25 +114,24 @@ def prefill_cell(model, length: int, reps: int, warmup: int) -> dict:
 
 def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
     """One token's projections only: our kernels against MLX's affine 4-bit quantized_matmul."""
-    from .. import kernels
     from ..quant import dequantize
 
-    projs = model.projections()
-    xs = {p.shape[0]: mx.random.normal((1, p.shape[0])) for p in projs}
+    projs = [m for m in model.matrices() if m.raw]
+    xs = {p.n_in: mx.random.normal((1, p.n_in)) for p in projs}
     mx.eval(list(xs.values()))
     xs16 = {k: v.astype(mx.float16) for k, v in xs.items()}
     quantized = []
     for p in projs:  # MLX's usual configuration: float16 activations, scales and biases
-        wq, scales, biases = mx.quantize(dequantize(p.blocks, p.qtype).astype(mx.float16), group_size=32, bits=4)
+        wq, scales, biases = mx.quantize(dequantize(p.data, p.qtype).astype(mx.float16), group_size=32, bits=4)
         mx.eval(wq, scales, biases)
         quantized.append((wq, scales, biases))
         mx.clear_cache()
 
     def ours():
-        return [kernels.matvec(p.blocks, p.qtype, xs[p.shape[0]]) for p in projs]
+        return [model.ops.project(p, xs[p.n_in]) for p in projs]
 
     def mlx_qmm():
-        return [mx.quantized_matmul(xs16[p.shape[0]], wq, s, b, transpose=True, group_size=32, bits=4)
+        return [mx.quantized_matmul(xs16[p.n_in], wq, s, b, transpose=True, group_size=32, bits=4)
                 for p, (wq, s, b) in zip(projs, quantized)]
 
     def time_it(fn) -> list[float]:
@@ -177,24 +147,24 @@ def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
     ours_ms, qmm_ms = time_it(ours), time_it(mlx_qmm)
     qmm_bytes = sum(wq.nbytes + s.nbytes + b.nbytes for wq, s, b in quantized)
     return {"projections": len(projs), "ours_ms": _stats(ours_ms), "mlx_qmm_ms": _stats(qmm_ms),
-            "ours_weight_bytes": sum(p.blocks.nbytes for p in projs), "mlx_qmm_weight_bytes": qmm_bytes,
+            "ours_weight_bytes": sum(p.data.nbytes for p in projs), "mlx_qmm_weight_bytes": qmm_bytes,
             "note": "MLX 4-bit affine, group 32, float16 activations/scales, from our dequantized weights "
                     "(Q6_K tensors re-quantized to 4 bits); ours: raw GGUF blocks, float32 activations"}
 
 
-def launch_overhead_cell(launches: int, reps: int, warmup: int) -> dict:
+def launch_overhead_cell(model, launches: int, reps: int, warmup: int) -> dict:
     """`launches` matvecs of a tiny Q4_K matrix (32 x 256) in one graph: host and launch cost per call."""
     from gguf import GGMLQuantizationType as QT
 
-    from .. import kernels
+    from ..ops.reference import Matrix
     from .fixtures import random_blocks
 
-    w = mx.array(random_blocks(32, 256, QT.Q4_K, np.random.default_rng(0)))
+    w = Matrix(mx.array(random_blocks(32, 256, QT.Q4_K, np.random.default_rng(0))), QT.Q4_K, True, 256, 32)
     x = mx.random.normal((1, 256))
     mx.eval(w, x)
 
     def chain():
-        return [kernels.matvec(w, QT.Q4_K, x) for _ in range(launches)]
+        return [model.ops.project(w, x) for _ in range(launches)]
 
     for _ in range(warmup):
         mx.eval(chain())
@@ -210,21 +180,17 @@ def run_bench(args) -> dict:
     from ..artifact import open_artifact
     from .envelope import envelope
     from ..model import Model
+    from ..ops import select_ops
 
     artifact = open_artifact(args.model)
     t = time.perf_counter()
-    model = Model(artifact)
+    model = Model(artifact, select_ops("gpu", args.kernel_config))
     load_s = time.perf_counter() - t
-    if model.backend is None:
-        raise MuseError("bench measures the kernel path: no Metal or CUDA device here")
     g = model.geometry
     types = {n: t.qtype for n, t in artifact.tensors.items()}
     bw = read_bandwidth_gbps()
-    from .. import kernels
-
-    out = {"model": str(args.model), "matvec_loop": kernels.matvec_loop(),
-           "attention_rows": kernels.attention_prefetch_rows(), "attention_loop": kernels.attention_loop(),
-           "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
+    out = {"model": str(args.model), "kernel_config": dataclasses.asdict(args.kernel_config),
+           "device": dataclasses.asdict(model.ops.kernels.device), "weight_bytes_loaded": model.weight_bytes, "load_seconds": load_s,
            "read_bandwidth_gbps": bw, "decode": [], "prefill": []}
     for depth in args.depths:
         cell = decode_cell(model, depth, args.decode_tokens, args.reps, args.warmup)
@@ -235,8 +201,7 @@ def run_bench(args) -> dict:
                     fraction_of_read_bw=e.token_bytes * tok_s / 1e9 / bw["mean"])
         out["decode"].append(cell)
         print(f"decode depth {depth:>6}: {tok_s:8.2f} tok/s {cell['tok_s_is']} (CV {cell['tok_s']['cv']:.2%}; "
-              f"synced {cell['tok_s_synced']['mean']:.2f}; host {cell['host_ms_per_token_pipelined']['mean']:.2f} "
-              f"ms/token), "
+              f"synced {cell['tok_s_synced']['mean']:.2f}), "
               f"{cell['ms_per_token']:.3f} ms, {cell['effective_gbps']:.0f} GB/s = "
               f"{cell['fraction_of_read_bw']:.1%} of {bw['mean']:.0f} GB/s read", flush=True)
     for length in args.prefill:
@@ -244,8 +209,8 @@ def run_bench(args) -> dict:
         out["prefill"].append(cell)
         print(f"prefill {length:>5}: {cell['tok_s']['mean']:8.1f} tok/s (CV {cell['tok_s']['cv']:.2%})", flush=True)
     if args.matvecs:
-        n = len(model.projections())
-        out["launch_overhead"] = launch_overhead_cell(n, args.reps, args.warmup)
+        n = len(model.matrices())
+        out["launch_overhead"] = launch_overhead_cell(model, n, args.reps, args.warmup)
         print(f"{n} tiny matvec launches: {out['launch_overhead']['us_per_launch']['mean']:.1f} us each", flush=True)
         cell = matvec_chain_cell(model, args.reps, args.warmup)
         out["matvecs_only"] = cell
@@ -280,13 +245,6 @@ def combine(ours_path, llama_path) -> dict:
     return {"ours": ours, "llama_bench": llama, "ratios": ratios}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise MuseError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def _command(argv=None) -> int:
     p = Parser(prog="python -m muse_mlx.tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a muse-glimmer GGUF (the numbers are as synthetic as the file)")
@@ -299,6 +257,8 @@ def _command(argv=None) -> int:
     p.add_argument("--receipt", help="write the receipt here")
     p.add_argument("--combine", nargs=2, metavar=("OURS_JSON", "LLAMA_BENCH_JSON"),
                    help="fold a llama-bench -o json result into our receipt, with ratios")
+    p.add_argument("--kernel-config", default="", help="kernel tuning values, name=value,... (config.KernelConfig; "
+                                                        "default: its defaults)")
     p.add_argument("--synthetic", action="store_true", help="label the numbers synthetic (random-block fixture)")
     args = p.parse_args(argv)
     from .receipts import make_receipt, write_receipt
@@ -316,7 +276,8 @@ def _command(argv=None) -> int:
             raise MuseError("--model is required")
         args.depths, args.prefill = _ints(args.depths), _ints(args.prefill)
         metrics = run_bench(args)
-        receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {"model": str(args.model)},
+        receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {
+            "model": str(args.model), "kernel_config": dataclasses.asdict(args.kernel_config)},
                                metrics=metrics, synthetic=args.synthetic)
     if args.receipt:
         print(f"receipt: {write_receipt(args.receipt, receipt)}")

@@ -19,7 +19,6 @@ TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 
 
-@lru_cache(maxsize=1)
 @dataclass(frozen=True)
 class FixtureVocab:
     tokens: list[str]

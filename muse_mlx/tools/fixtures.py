@@ -273,9 +273,8 @@ def write_sparse(path, geometry: Geometry, types: dict[str, QT]) -> Path:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MUSE_MLX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "muse_mlx")
-    return Path(root)
+    """The user cache folder (XDG's convention): $XDG_CACHE_HOME/muse_mlx, else ~/.cache/muse_mlx."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")) / "muse_mlx"
 
 
 def fixture_name(geometry: Geometry, seed: int, weight_type: QT) -> str:

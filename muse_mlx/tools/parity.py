@@ -140,22 +140,17 @@ def engine_teacher_forced(model, tokens, prefill: int, kv: str):
     cache = model.make_cache(len(tokens), dtype=_KV[kv])
     rows = [np.array(model.prefill(mx.array(tokens[:prefill]), cache, all_logits=True))]
     for t in tokens[prefill:]:
-        logits = model(mx.array([int(t)]), cache)
-        rows.append(np.array(logits))
+        rows.append(np.array(model.step(int(t), cache))[None])
     mx.eval(cache.state())
     return np.concatenate(rows), cache
 
 
 def engine_greedy(model, prompt, n: int, kv: str) -> list[int]:
+    from ..generate import generate_tokens
+    from ..sampling import Sampler, SamplerSettings
+
     cache = model.make_cache(len(prompt) + n, dtype=_KV[kv])
-    logits = model.prefill(mx.array(prompt), cache)
-    out = []
-    for i in range(n):
-        token = int(mx.argmax(logits[-1]).item())
-        out.append(token)
-        if i + 1 < n:
-            logits = model(mx.array([token]), cache, all_logits=False)
-    return out
+    return list(generate_tokens(model, cache, list(prompt), Sampler(SamplerSettings()), n))
 
 
 # ---- metrics ---------------------------------------------------------------------------

@@ -88,8 +88,6 @@ def make_receipt(kind: str, *, inputs: dict, metrics: dict, samples=None, verdic
         "device": device(),
         "versions": versions(),
         "inputs": inputs,
-        # the kernel path's knobs as set for this run (kernels.settings); absent ones are defaults
-        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MUSE_MLX_")},
         "metrics": metrics,
     }
     if synthetic is not None:

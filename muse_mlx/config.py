@@ -1,0 +1,59 @@
+"""The engine's configuration, passed in: the kernel path's tuning values and the ops backend.
+
+Nothing below the command line reads the environment. The geometry comes from the GGUF
+(artifact.py -> geometry.Geometry); what is chosen at run time is here, frozen, so a compiled
+step or a launch plan keyed on it can never see it change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .errors import MuseError
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tuning values of the GPU kernels (docs/kernels.md says what each moved when measured).
+
+    ring_chunk, plane_chunk: K/V rows per split of the decode attention over a sliding ring /
+        a full layer's plane (more splits: more threadgroups, shorter chains, more to combine).
+    combine_warps: simdgroups merging one query head's splits; 0 = scaled with the splits (one
+        per 16, 4..32).
+    stream_groups: threadgroups of a streaming matvec; 0 = from the device (its multiprocessors
+        times the groups that fit one by registers).
+    """
+
+    ring_chunk: int = 32
+    plane_chunk: int = 128
+    combine_warps: int = 0
+    stream_groups: int = 0
+
+    def __post_init__(self):
+        limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
+                  "stream_groups": (0, 1 << 20)}
+        for name, (lo, hi) in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise MuseError(f"kernel config {name} must be an integer {lo}..{hi}, got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelConfig":
+        """From 'name=value,name=value' (the --kernel-config flag); unnamed fields keep their defaults."""
+        names = {f.name for f in fields(cls)}
+        values = {}
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            name, eq, value = item.partition("=")
+            if not eq or name not in names:
+                raise MuseError(f"--kernel-config: expected name=value with name one of {', '.join(sorted(names))}, "
+                                f"got {item!r}")
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise MuseError(f"--kernel-config: {name} must be an integer, got {value!r}") from None
+        return replace(cls(), **values)
+
+
+BACKENDS = ("auto", "gpu", "reference")

@@ -1,0 +1,62 @@
+"""Which GPU MLX can use here, and the properties of it that launch planning needs."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+# Threadgroups a Metal grid is planned for when nothing better is known (Apple GPUs report no
+# core count to MLX; this value has not been measured on Apple hardware in this project).
+METAL_PLANNING_CORES = 64
+
+
+@dataclass(frozen=True)
+class Device:
+    """backend: 'metal' or 'cuda'; cores: multiprocessors (CUDA, from the driver) or the
+    planning value for Metal."""
+
+    backend: str
+    cores: int
+
+
+@lru_cache(maxsize=None)
+def gpu_backend() -> str | None:
+    """'metal', 'cuda', or None when MLX has no GPU here (the answer does not change within a process)."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+@lru_cache(maxsize=None)
+def gpu_device() -> Device | None:
+    """The GPU's Device, or None without one."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    if backend == "cuda":
+        return Device("cuda", cuda_multiprocessors())
+    return Device("metal", METAL_PLANNING_CORES)
+
+
+def cuda_multiprocessors(device_index: int = 0) -> int:
+    """The multiprocessor count of a CUDA device, from the driver API (libcuda, which every
+    machine that runs CUDA has). MLX's device_info does not report it."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as exc:
+        raise RuntimeError(f"MLX reports a CUDA device but the driver library {name} does not load: {exc}") from None
+    count, dev = ctypes.c_int(0), ctypes.c_int(0)
+    attribute_multiprocessor_count = 16   # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), device_index)),
+                       ("cuDeviceGetAttribute", (ctypes.byref(count), attribute_multiprocessor_count, dev))):
+        status = getattr(lib, call)(*args)
+        if status != 0:
+            raise RuntimeError(f"the CUDA driver's {call} failed with status {status}")
+    return count.value

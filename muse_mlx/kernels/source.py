@@ -1,0 +1,88 @@
+"""Kernel text: the bodies in custom_kernels/*.inc, composed for Metal or CUDA, and the table of kernels.
+
+Each body is written once against a small dialect map. For a backend we compose
+
+    header = dialect_<backend>.h + blocks.h          (types, helpers, block decoders)
+    source = indices_<backend>.h + the body sections (thread indices as text, so MLX's
+                                                      Metal wrapper sees the attribute names)
+
+and hand them to `mx.fast.metal_kernel` (Apple GPUs) or `mx.fast.cuda_kernel` (NVIDIA). The
+CUDA instantiation is the one executed and checked here (on an H200); the Metal
+instantiation is the same body under the Metal map and has not been run on Apple hardware
+in this project (tests/metal_emulator.py executes its text on the CPU).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from importlib import resources
+
+import mlx.core as mx
+
+STREAM_FORMATS = ("q4_k", "q6_k")                           # formats with a streaming one-token kernel
+BATCH_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "nvfp4")   # matvec.inc's quantized formats
+
+KERNELS = {
+    # name: (family, sections, inputs, outputs)
+    # matvec.inc: up to MAX_BATCH rows of x, any supported block type
+    **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"]) for v in BATCH_FORMATS},
+    "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
+    # matvec_stream.inc: one token, x in registers, rows streamed from device memory; the _silu
+    # form makes silu(gate) * up in its prologue (the FFN down projection)
+    **{f"matvec_stream{act}_{v}": ("matvec_stream", ["prologue", xs, v, "x_registers", f"{v}_sums", "loop_direct",
+                                                     f"{v}_rows", "epilogue"], ["w", *inputs], ["y"])
+       for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+       for v in STREAM_FORMATS},
+    # attention.inc: split decode attention, then the combine (optionally times the output gate)
+    "attention_partial": ("attention", ["partial_butterfly"], ["q", "keys", "values", "params"],
+                          ["part_o", "part_ml"]),
+    "attention_combine": ("attention", ["combine", "store"], ["part_o", "part_ml", "params"], ["out"]),
+    "attention_combine_gated": ("attention", ["combine", "store_gated"], ["part_o", "part_ml", "params", "gate"],
+                                ["out"]),
+    # decode_glue.inc: the steps between the products
+    "qk_post": ("decode_glue", ["qk_post"], ["q", "k", "v", "q_norm", "k_norm", "rope", "eps"],
+                ["q_out", "k_out", "v_out"]),
+    "residual_norm": ("decode_glue", ["residual_norm"], ["x", "f", "w_post", "w_next", "eps"], ["x_out", "h"]),
+}
+
+
+def read(name: str) -> str:
+    return resources.files("custom_kernels").joinpath(name).read_text(encoding="utf-8")
+
+
+def sections(family: str) -> dict[str, str]:
+    """The `// ==== name ====` sections of custom_kernels/<family>.inc."""
+    text = read(f"{family}.inc")
+    parts = re.split(r"^// ==== (\w+) ====\s*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1].strip("\n") + "\n" for i in range(1, len(parts), 2)}
+
+
+def strip_comments(text: str) -> str:
+    """The text without `//` comment lines and blank lines.
+
+    MLX rebuilds and hashes a custom kernel's whole source on every call, so the comments,
+    which are most of the text, cost host time per launch."""
+    lines = (ln.rstrip() for ln in text.splitlines())
+    return "".join(ln + "\n" for ln in lines if ln and not ln.lstrip().startswith("//"))
+
+
+def render(family: str, parts: list[str], which: str) -> tuple[str, str]:
+    """(header, source) of one kernel for backend `which` ('metal' or 'cuda'), comments stripped."""
+    body = sections(family)
+    header = strip_comments(read(f"dialect_{which}.h") + "\n" + read("blocks.h"))
+    source = strip_comments(read(f"indices_{which}.h") + "\n" + "".join(body[p] for p in parts))
+    return header, source
+
+
+@lru_cache(maxsize=None)
+def build(name: str, which: str, shared_memory: int = 0):
+    """The MLX kernel object `name` for backend `which`; `shared_memory`: dynamic threadgroup
+    memory in bytes (CUDA; a Metal body declares its threadgroup memory with a size)."""
+    family, parts, inputs, outputs = KERNELS[name]
+    header, source = render(family, parts, which)
+    if which == "metal":
+        return mx.fast.metal_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
+                                    header=header)
+    return mx.fast.cuda_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
+                               header=header, shared_memory=shared_memory)

@@ -1,0 +1,38 @@
+"""Ops backends: how the forward's steps are computed, chosen once when a model is loaded.
+
+The forward pass (model.py) is written once; where computing a step on the GPU differs from
+MLX ops (raw-block products, fused glue, split decode attention), it asks its ops backend:
+
+- `ReferenceOps` (ops/reference.py): MLX ops in float32 over weights dequantized at load; the
+  exactness path, and the only one on the CPU.
+- `GpuOps` (ops/gpu.py): the custom kernels over the GGUF's raw blocks for the small-row steps
+  (at most kernels.MAX_BATCH token rows: decode over 1..4 slots, a verify step), the
+  reference's MLX ops for longer chunks (prefill).
+
+`select_ops(backend, config)` makes one from a name: 'auto' (the GPU when MLX has one),
+'gpu' or 'reference'.
+"""
+
+from __future__ import annotations
+
+from ..config import BACKENDS, KernelConfig
+from ..errors import MuseError
+from .reference import ReferenceOps, Slice
+
+
+def select_ops(backend: str = "auto", config: KernelConfig = KernelConfig()) -> ReferenceOps:
+    from ..kernels import Kernels, gpu_device
+
+    if backend not in BACKENDS:
+        raise MuseError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    device = gpu_device() if backend != "reference" else None
+    if device is None:
+        if backend == "gpu":
+            raise MuseError("the GPU backend needs a Metal or CUDA device, and MLX has none here")
+        return ReferenceOps()
+    from .gpu import GpuOps
+
+    return GpuOps(Kernels(device, config))
+
+
+__all__ = ["ReferenceOps", "Slice", "select_ops"]

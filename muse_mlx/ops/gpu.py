@@ -1,0 +1,171 @@
+"""The forward's steps on the GPU: the custom kernels over the GGUF's raw blocks.
+
+Two regimes, by the number of token rows in the forward (B sequences x T tokens):
+
+- at most kernels.MAX_BATCH rows (decode over 1..4 slots, a speculative verify step): every
+  product reads the raw blocks in place (a streaming kernel for one row of Q4_K / Q6_K,
+  matvec.inc for the rest, each weight read once for all rows), the glue steps are fused
+  kernels (qk_post, residual_norm), and with T = 1 over f16 caches the attention is the split
+  decode kernel (DecodeStep), inside one compiled step (model.Model compiles the forward
+  for the DecodePlan's key);
+- longer chunks (prefill): each matrix dequantized to float32 for its product, one layer's at
+  a time, and the reference's MLX ops for everything else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..artifact import RawTensor
+from ..geometry import Geometry
+from ..kernels import Kernels
+from ..kernels import plan as kplan
+from ..kv import SlidingRing, SlotCache
+from ..quant import dequantize
+from .reference import Matrix, ReferenceOps, Slice, stack_raw
+
+
+class DecodePlan(NamedTuple):
+    """What the compiled decode step over B sequences needs from the host for one token.
+
+    key: the trace key (B; per sequence, the group of each layer; per group, the attention's
+    rows per split and split count, trace constants); arrays: per sequence and group, the row
+    to write (int32 shaped like a row of K: put_along_axis's indices) then the attention
+    parameters (plan.attention_params), then every cache's storage (SlotCache.state order)."""
+    key: tuple
+    arrays: list
+    compiled: bool = True
+
+
+def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
+    """The next token's DecodePlan. Layers whose storage has one kind and capacity (the rings;
+    the planes) form a group that shares a row index and a parameter array; a group's split
+    count is the largest any sequence needs (the others' extra splits weigh zero), rounded
+    up (plan.attention_splits) so that one trace serves many tokens."""
+    config = kernels.config
+    groups: dict[tuple, int] = {}
+    layer_groups = []
+    for cache in caches:
+        ids = []
+        for layer in cache.layers:
+            gk = (isinstance(layer, SlidingRing), layer.capacity)
+            ids.append(groups.setdefault(gk, len(groups)))
+        layer_groups.append(tuple(ids))
+    kinds = list(groups)
+    chunks = tuple(config.ring_chunk if ring else config.plane_chunk for ring, _ in kinds)
+    n_valid = [[0] * len(kinds) for _ in caches]
+    rows = [[0] * len(kinds) for _ in caches]
+    for b, cache in enumerate(caches):
+        for layer, gi in zip(cache.layers, layer_groups[b]):
+            n_valid[b][gi] = min(layer.offset + 1, layer.capacity)
+            rows[b][gi] = layer.next_row
+    splits = tuple(max(kplan.attention_splits(n_valid[b][gi], chunks[gi], kinds[gi][1]) for b in range(len(caches))
+                       if gi in layer_groups[b]) for gi in range(len(kinds)))
+    arrays = []
+    for b, cache in enumerate(caches):
+        n_kv, _, head_dim = cache.layers[0].keys.shape
+        for gi in range(len(kinds)):
+            arrays.append(mx.array(np.full((n_kv, 1, head_dim), rows[b][gi], dtype=np.int32)))
+            arrays.append(kplan.attention_params(max(1, n_valid[b][gi]), chunks[gi], splits[gi]))
+    for cache in caches:
+        arrays += cache.state()
+    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), arrays)
+
+
+class DecodeStep:
+    """One decode token of B sequences inside the compiled step: writes each layer's new K/V row
+    into the storage arrays with put_along_axis at the plan's rows (MLX's scatter: a thread per
+    element written, where a slice update at an array row launches one per element stored)
+    and attends with the split decode kernel. `state` is the storage with the rows written."""
+
+    def __init__(self, key: tuple, arrays: list, kernels: Kernels):
+        self.B, self.layer_groups, self.chunks, self.splits = key
+        n_groups = len(self.chunks)
+        n_plan = 2 * self.B * n_groups
+        plan_arrays, self.state = list(arrays[:n_plan]), list(arrays[n_plan:])
+        self.rows = [plan_arrays[2 * b * n_groups:2 * (b + 1) * n_groups:2] for b in range(self.B)]
+        self.params = [plan_arrays[2 * b * n_groups + 1:2 * (b + 1) * n_groups:2] for b in range(self.B)]
+        self.n_layer = len(self.layer_groups[0])
+        self.kernels = kernels
+
+    def attend(self, i: int, q: mx.array, k: mx.array, v: mx.array, gate: Slice) -> mx.array:
+        """Layer i: q (B, n_head, hd) f32, k, v (B, n_kv, hd) f16 -> the gated attention (B, n_head*hd)."""
+        n_head, hd = q.shape[1:]
+        outs = []
+        for b in range(self.B):
+            gi = self.layer_groups[b][i]
+            s = 2 * (b * self.n_layer + i)
+            rows = self.rows[b][gi]
+            self.state[s] = mx.put_along_axis(self.state[s], rows, k[b][:, None], axis=1)
+            self.state[s + 1] = mx.put_along_axis(self.state[s + 1], rows, v[b][:, None], axis=1)
+            outs.append(self.kernels.decode_attention(
+                q[b], self.state[s], self.state[s + 1], self.params[b][gi], self.chunks[gi], self.splits[gi],
+                gate=gate.array, gate_offset=b * gate.array.shape[-1] + gate.offset, out_shape=(1, n_head * hd)))
+        return outs[0] if self.B == 1 else mx.concatenate(outs, axis=0)
+
+    def layer_state(self, i: int) -> list[mx.array]:
+        return [a for b in range(self.B) for a in self.state[2 * (b * self.n_layer + i):2 * (b * self.n_layer + i) + 2]]
+
+
+class GpuOps(ReferenceOps):
+    name = "gpu"
+
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels
+        self._eps: dict[tuple, mx.array] = {}
+        self._dequantized = False   # a product of this layer dequantized its matrix (a long chunk)
+
+    @property
+    def backend(self) -> str:
+        return self.kernels.device.backend
+
+    def _eps_array(self, *values: float) -> mx.array:
+        if values not in self._eps:
+            self._eps[values] = mx.array(values, dtype=mx.float32)
+        return self._eps[values]
+
+    def matrix(self, raws: list[RawTensor]) -> Matrix:
+        qtype = raws[0].qtype
+        if not kplan.supports(qtype):
+            return super().matrix(raws)
+        return Matrix(stack_raw(raws), qtype, True, raws[0].shape[0], sum(r.shape[1] for r in raws))
+
+    def project(self, w: Matrix, x: mx.array) -> mx.array:
+        if not w.raw:
+            return super().project(w, x)
+        if x.shape[0] <= kplan.MAX_BATCH:
+            return self.kernels.matvec(w.data, w.qtype, x)
+        self._dequantized = True
+        return x @ dequantize(w.data, w.qtype).T
+
+    def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
+        rows = gate.array.shape[0]
+        if rows == 1 and w.raw and gate.offset == 0 and kplan.streams(w.qtype, w.n_in):
+            return self.kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset)
+        return super().down_silu(w, gate, up)
+
+    def qk_post(self, q, k, v, q_norm, k_norm, rope, rope_half, g: Geometry, kv_dtype):
+        rows = q.array.shape[0]
+        if rows > kplan.MAX_BATCH or kv_dtype != mx.float16:
+            return super().qk_post(q, k, v, q_norm, k_norm, rope, rope_half, g, kv_dtype)
+        return self.kernels.qk_post(q.array, k.array, v.array, q_norm, k_norm, rope, rope_half,
+                                    self._eps_array(g.rms_eps), g.n_head, g.n_head_kv, g.head_dim,
+                                    offsets=(q.offset, k.offset, v.offset))
+
+    def residual_norm(self, x, f, w_post, w_next, eps_post, eps_next):
+        if x.shape[0] > kplan.MAX_BATCH:
+            return super().residual_norm(x, f, w_post, w_next, eps_post, eps_next)
+        return self.kernels.residual_norm(x, f, w_post, w_next, self._eps_array(eps_post, eps_next))
+
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
+        if T == 1 and all(c.dtype == mx.float16 for c in caches):
+            return decode_plan(caches, self.kernels)
+        return super().kv_step(g, caches, T)
+
+    def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
+        if self._dequantized:   # bound the dequantized weights alive at once to one layer's
+            mx.eval(*arrays, *kv.layer_state(i))
+            self._dequantized = False
