@@ -8,6 +8,7 @@ which `artifact.py` builds from a GGUF file. `PINNED` is the full released model
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 ARCH = "muse-glimmer"
@@ -24,6 +25,53 @@ DEFAULT_SWA_PERIOD = 4
 
 # Prefill is processed in chunks of this many positions (seed 000 §22.4).
 PREFILL_CHUNK = 512
+
+# ---- ranges the architecture can compute with (issue 19) ---------------------------------
+# A file whose numbers fall outside these is refused at load (artifact.py names the key).
+
+# RoPE: frequency i is base^(-2i/rope_dim), i < rope_dim/2. A base >= 1 keeps every frequency
+# <= 1 (angles at most the position); below 1 they grow instead, up to about 1/base:
+# 1e-45 gives 1e45, past float32's 3.4e38, and the angles become inf, their sin/cos NaN.
+ROPE_BASE_MIN = 1.0
+# RMSNorm divides by sqrt(mean(x^2) + eps). Below ~1e-12 eps sinks towards float32's
+# denormals (which GPUs flush to zero: an all-zero row becomes 0/0); above 1 it is no longer
+# an epsilon. Released models use 1e-5 .. 1e-6.
+RMS_EPS_RANGE = (1e-12, 1.0)
+# Logits are multiplied by logit_scale (released models: 1/16 .. 16); a scale of 0 or below
+# makes every token equally likely or inverts the distribution.
+LOGIT_SCALE_RANGE = (1e-4, 1e4)
+# final_logit_softcapping c: logits -> c * tanh(logits / c); 0 = off (released models: 30, 50).
+SOFTCAP_RANGE = (1e-3, 1e6)
+# Context: MLX array dimensions are 32-bit integers (a context of 2^32-1 raised OverflowError
+# at KV allocation), and we keep one layer's K buffer, (context, n_head_kv * head_dim), under
+# 2^31 elements so that no 32-bit element index into it can overflow; and no slot is longer
+# than 2^24 positions (128x the pinned 131,072). Whether a context's KV fits the machine's
+# memory is asked where it is allocated, not here.
+MAX_CONTEXT = 1 << 24
+MAX_BUFFER_ELEMENTS = (1 << 31) - 1
+# Norm weights multiply a unit-RMS vector, whose elements are at most sqrt(n) in size (all
+# of the energy in one element). Released models' norm weights are O(1) to O(100). We allow
+# up to 1e4: then the largest products the graph forms from normed activations -- q.k over
+# head_dim 128 is at most 128 * (11.3 * 1e4)^2 ~ 1.6e12, and the FFN's gate * up products of
+# unit-scale matrices are of the same order -- stay far inside float32's 3.4e38, while a
+# weight like 3e38 overflows on its first multiply. K is stored as f16 (max 65,504), so
+# attn_k_norm is held to 65,504 / sqrt(head_dim) (5,790 at head_dim 128): then no K element
+# can overflow f16 whatever the key vector.
+NORM_WEIGHT_MAX = 1e4
+F16_MAX = 65_504.0
+
+
+def max_context(kv_dim: int) -> int:
+    """The longest context whose per-layer K/V buffers stay under 2^31 elements (and <= MAX_CONTEXT)."""
+    return min(MAX_CONTEXT, MAX_BUFFER_ELEMENTS // max(kv_dim, 1))
+
+
+def norm_weight_limit(tensor: str, head_dim: int) -> float:
+    """The largest |w| allowed in a norm weight (see NORM_WEIGHT_MAX)."""
+    if tensor.endswith("attn_k_norm.weight"):
+        return min(NORM_WEIGHT_MAX, F16_MAX / head_dim ** 0.5)
+    return NORM_WEIGHT_MAX
+
 
 NORM_TENSORS = (
     "attn_norm",
@@ -101,10 +149,23 @@ class Geometry:
         if self.rope_dim is not None and (self.rope_dim <= 0 or self.rope_dim > self.head_dim
                                           or self.rope_dim % 2):
             p.append(f"rope_dim {self.rope_dim} must be even and in 1..head_dim={self.head_dim}")
-        if not self.rms_eps > 0:
-            p.append(f"rms_eps must be positive, got {self.rms_eps}")
-        if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
-            p.append(f"final_logit_softcap must be positive or absent, got {self.final_logit_softcap}")
+        if not RMS_EPS_RANGE[0] <= self.rms_eps <= RMS_EPS_RANGE[1]:
+            p.append(f"rms_eps must be in [{RMS_EPS_RANGE[0]:g}, {RMS_EPS_RANGE[1]:g}], got {self.rms_eps}")
+        for name in ("rope_base", "rope_base_swa"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= ROPE_BASE_MIN):
+                p.append(f"{name} must be finite and >= {ROPE_BASE_MIN:g}, got {value}")
+        if not LOGIT_SCALE_RANGE[0] <= self.logit_scale <= LOGIT_SCALE_RANGE[1]:
+            p.append(f"logit_scale must be in [{LOGIT_SCALE_RANGE[0]:g}, {LOGIT_SCALE_RANGE[1]:g}], "
+                     f"got {self.logit_scale}")
+        if self.final_logit_softcap is not None and \
+                not SOFTCAP_RANGE[0] <= self.final_logit_softcap <= SOFTCAP_RANGE[1]:
+            p.append(f"final_logit_softcap must be in [{SOFTCAP_RANGE[0]:g}, {SOFTCAP_RANGE[1]:g}] or absent, "
+                     f"got {self.final_logit_softcap}")
+        if self.context_length > 0 and self.n_head_kv > 0 and self.head_dim > 0 \
+                and self.context_length > max_context(self.kv_dim):
+            p.append(f"context_length {self.context_length:,} exceeds {max_context(self.kv_dim):,} "
+                     f"(a slot's f16 K/V would need {self.slot_kv_bytes(self.context_length):,} bytes)")
         return p
 
     # ---- derived shape -------------------------------------------------------------
