@@ -11,11 +11,20 @@ tokens in the text, as llama.cpp does with `parse_special`.
 from __future__ import annotations
 
 import codecs
+import ctypes
+import functools
 import json
+import re
+import threading
+import traceback
+from contextlib import contextmanager
 from datetime import datetime
+from functools import lru_cache
 
 import jinja2
+import jinja2.filters
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .artifact import Vocabulary
@@ -42,6 +51,7 @@ ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 
 
+@lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters.
 
@@ -68,22 +78,27 @@ class MuseTokenizer:
         if pre not in PRE_TOKENIZERS:
             raise TokenizerError(f"pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(PRE_TOKENIZERS))}")
         self.vocab = vocab
-        ids = {tok: i for i, tok in enumerate(vocab.tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
-        bpe = models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False)
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-        tok.decoder = decoders.ByteLevel()
+        ids, merges = validate_vocabulary(vocab)
         types = vocab.token_types or [1] * len(vocab.tokens)
         self.special_ids = {i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
         self.control_ids = {i for i, t in enumerate(types)
                             if t == TOKEN_TYPE_CONTROL and vocab.tokens[i] not in ALWAYS_RENDERED}
-        tok.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
-                                for i in sorted(self.special_ids)])
+        try:
+            bpe = models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False)
+            tok = Tokenizer(bpe)
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(PRE_TOKENIZERS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+            tok.decoder = decoders.ByteLevel()
+            tok.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
+                                    for i in sorted(self.special_ids)])
+        except BaseException as exc:  # a backstop: tokenizers' Rust panics are BaseExceptions
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise TokenizerError(f"the vocabulary cannot be built into a tokenizer: {_one_line(exc)}") from None
         self._tok = tok
+        self._template = None  # compiled on first use
         self._u2b = {c: b for b, c in byte_to_unicode().items()}
         self.bos_id = vocab.bos_id
         self.stop_ids = {i for i in (vocab.eos_id, vocab.eot_id, vocab.eom_id) if i is not None}
@@ -119,16 +134,21 @@ class MuseTokenizer:
 
     # ---- chat --------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        template = self.vocab.chat_template
-        if not template:
-            raise TokenizerError("the model has no chat template (tokenizer.chat_template); use a plain prompt")
+        """Render the GGUF's chat template (compiled once, on first use) in a bounded sandbox.
+
+        Any failure -- invalid UTF-8, a template that does not compile, one that fails,
+        recurses, runs too long or writes too much when rendered -- is one `TokenizerError`.
+        """
+        if self._template is None:
+            if getattr(self.vocab, "chat_template_error", None):
+                raise TokenizerError(f"{TEMPLATE_NAME} cannot be read: {self.vocab.chat_template_error}")
+            if not self.vocab.chat_template:
+                raise TokenizerError(f"the model has no chat template ({TEMPLATE_NAME}); use a plain prompt")
+            self._template = compile_chat_template(self.vocab.chat_template)
         bos = self.vocab.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.vocab.tokens[self.vocab.eos_id] if self.vocab.eos_id is not None else ""
-        try:
-            return render_chat_template(template, messages, bos_token=bos, eos_token=eos,
-                                        add_generation_prompt=add_generation_prompt, **extra)
-        except jinja2.TemplateError as exc:
-            raise TokenizerError(f"chat template failed: {exc}") from None
+        return _render(self._template, dict(messages=messages, bos_token=bos, eos_token=eos,
+                                            add_generation_prompt=add_generation_prompt, **extra))
 
 
 class TextStreamer:
@@ -145,6 +165,77 @@ class TextStreamer:
         return self._decoder.decode(b"", final=True)
 
 
+# ---- the vocabulary as untrusted input ---------------------------------------------------
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def validate_vocabulary(vocab: Vocabulary) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Check what tokenizers would otherwise panic or raise on; return its vocab map and merge pairs.
+
+    Tokens: unique (a duplicate makes the Rust side panic). Merges: each exactly two
+    space-separated non-empty parts, both tokens of the vocabulary, and their concatenation
+    one too (tokenizers' BPE requires all three). Token strings are valid UTF-8 already
+    (artifact.py decodes them strictly).
+    """
+    ids: dict[str, int] = {}
+    for i, token in enumerate(vocab.tokens):
+        first = ids.setdefault(token, i)
+        if first != i:
+            raise TokenizerError(f"tokenizer.ggml.tokens: token {i} {_show(token)} repeats token {first}; "
+                                 "token strings must be unique")
+    pairs = []
+    for n, merge in enumerate(vocab.merges):
+        parts = merge.split(" ")
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise TokenizerError(f"tokenizer.ggml.merges: merge {n} {_show(merge)} is not two tokens "
+                                 "separated by one space")
+        for part in (parts[0], parts[1], parts[0] + parts[1]):
+            if part not in ids:
+                raise TokenizerError(f"tokenizer.ggml.merges: merge {n} {_show(merge)} names {_show(part)}, "
+                                     "which is not in the vocabulary")
+        pairs.append((parts[0], parts[1]))
+    return ids, pairs
+
+
+def _show(s: str, limit: int = 40) -> str:
+    return repr(s if len(s) <= limit else s[:limit] + "...")
+
+
+# ---- the chat template as untrusted input ----------------------------------------------
+#
+# The template comes from the file, so it runs in jinja2's immutable sandbox (no attribute
+# or call reaches Python internals) with bounds on what it may cost:
+#   - size: a template over 1 MiB is refused (real ones are kilobytes);
+#   - output: at most TEMPLATE_OUTPUT_BYTES plus four times the messages' own size; strings
+#     and lists built by *, + and namespace assignment, and width/indent arguments, are held
+#     to the same bound before they are built;
+#   - depth: at most TEMPLATE_MAX_DEPTH nested calls (macros calling themselves), well inside
+#     Python's own recursion limit;
+#   - time: TEMPLATE_SECONDS of wall time for compiling or rendering, enforced by a watchdog
+#     that raises in the rendering thread (so loops that call nothing are bounded too).
+# Whatever goes wrong becomes one TokenizerError naming the template and, where known, its line.
+
+TEMPLATE_NAME = "chat template (tokenizer.chat_template)"
+TEMPLATE_MAX_BYTES = 1 << 20
+TEMPLATE_OUTPUT_BYTES = 1 << 20
+TEMPLATE_MAX_DEPTH = 64
+TEMPLATE_SECONDS = 5.0
+_HUGE_FORMAT = re.compile(r"\d{7,}")  # a width or precision of a million or more
+
+
+class _TemplateLimit(Exception):
+    """A template ran past one of the bounds above."""
+
+
+class _TemplateTimeout(BaseException):
+    """Raised asynchronously in the rendering thread by the watchdog (BaseException: it must
+    not be swallowed by a template's own error handling)."""
+
+
 def _raise(message):
     raise jinja2.TemplateError(message)
 
@@ -153,11 +244,183 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
-def render_chat_template(template: str, messages: list[dict], **context) -> str:
-    """Render a HF-style chat template (the environment transformers uses for chat templates)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+def _size(value) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else 0
+
+
+class _Bounds(threading.local):
+    limit = TEMPLATE_OUTPUT_BYTES
+    depth = 0
+
+
+_bounds = _Bounds()
+
+
+def _check_size(n: int, what: str) -> None:
+    if n > _bounds.limit:
+        raise _TemplateLimit(f"{what} of {n:,} characters or items exceeds the limit of {_bounds.limit:,}")
+
+
+def _check_args(args, kwargs, what: str) -> None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, bool):
+            continue
+        if isinstance(a, int) and abs(a) > _bounds.limit:
+            raise _TemplateLimit(f"{what} with the argument {a:,} (more than {_bounds.limit:,})")
+        _check_size(_size(a), f"{what} with an argument")
+
+
+def _bounded_filter(f):
+    """Wrap a jinja2 filter or global: refuse huge arguments, check the result's size."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        _check_args(args, kwargs, f"{getattr(f, '__name__', 'filter')}()")
+        if f is jinja2.filters.do_format \
+                and any(isinstance(a, str) and _HUGE_FORMAT.search(a) for a in args[:2]):
+            raise _TemplateLimit("format() with a width or precision of a million or more")
+        result = f(*args, **kwargs)
+        _check_size(_size(result), f"{getattr(f, '__name__', 'filter')}() result")
+        return result
+
+    return wrapper
+
+
+class _BoundedNamespace(Namespace):
+    def __setitem__(self, name, value):
+        _check_size(_size(value), f"namespace value {name!r}")
+        super().__setitem__(name, value)
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context, op, left, right):
+        if op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+                and abs(left) > 1 and abs(left).bit_length() * right > 8 * _bounds.limit:
+            raise _TemplateLimit(f"{left} ** {right} is too large")
+        if op == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(n, int) and _size(seq):
+                    _check_size(_size(seq) * max(n, 0), "a repeated string or list")
+            if isinstance(left, int) and isinstance(right, int):
+                if abs(left).bit_length() + abs(right).bit_length() > 8 * _bounds.limit:
+                    raise _TemplateLimit("an integer product too large")
+        if op == "+" and _size(left) and _size(right):
+            _check_size(_size(left) + _size(right), "a concatenation")
+        if op == "%" and isinstance(left, str):
+            if _HUGE_FORMAT.search(left) or "*" in left:
+                raise _TemplateLimit("%-formatting with a width or precision of a million or more, or '*'")
+        return super().call_binop(context, op, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+        _check_args(args, kwargs, f"{getattr(__obj, '__name__', 'a call')}()")
+        target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        if getattr(target, "__name__", None) in ("format", "format_map") and isinstance(
+                getattr(target, "__self__", None), str) and _HUGE_FORMAT.search(target.__self__):
+            raise _TemplateLimit("str.format with a width or precision of a million or more")
+        if _bounds.depth >= TEMPLATE_MAX_DEPTH:
+            raise _TemplateLimit(f"calls nested more than {TEMPLATE_MAX_DEPTH} deep (runaway recursion?)")
+        _bounds.depth += 1
+        try:
+            result = super().call(__context, __obj, *args, **kwargs)
+        finally:
+            _bounds.depth -= 1
+        _check_size(_size(result), f"{getattr(__obj, '__name__', 'a call')}() result")
+        return result
+
+
+def _environment() -> _BoundedEnvironment:
+    """The environment transformers uses for chat templates, with the bounds above."""
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
+    for name, f in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(f)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=messages, **context)
+    env.globals["namespace"] = _BoundedNamespace
+    return env
+
+
+_SET_ASYNC_EXC = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+
+@contextmanager
+def _watchdog(seconds: float):
+    """Raise _TemplateTimeout in this thread if the block runs longer than `seconds`."""
+    tid = threading.get_ident()
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def fire():
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _SET_ASYNC_EXC(ctypes.c_ulong(tid), ctypes.py_object(_TemplateTimeout))
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
+        if state["fired"]:
+            _SET_ASYNC_EXC(ctypes.c_ulong(tid), None)  # clear it if it is still pending
+
+
+def _template_line(exc: BaseException) -> str:
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == "<template>"]
+    return f" at line {lines[-1]}" if lines else ""
+
+
+def _template_error(stage: str, exc: BaseException) -> TokenizerError:
+    if isinstance(exc, _TemplateTimeout):
+        return TokenizerError(f"{TEMPLATE_NAME}: {stage} took longer than {TEMPLATE_SECONDS:g} s; stopped")
+    if isinstance(exc, jinja2.TemplateSyntaxError):
+        return TokenizerError(f"{TEMPLATE_NAME} does not compile: line {exc.lineno}: {_one_line(exc.message or exc)}")
+    kind = "" if isinstance(exc, (_TemplateLimit, jinja2.TemplateError)) else f"{type(exc).__name__}: "
+    return TokenizerError(f"{TEMPLATE_NAME}: {stage} failed{_template_line(exc)}: {kind}{_one_line(exc)}")
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile an untrusted template; any failure is one TokenizerError naming it."""
+    if len(template) > TEMPLATE_MAX_BYTES:
+        raise TokenizerError(f"{TEMPLATE_NAME} is {len(template):,} characters long; "
+                             f"at most {TEMPLATE_MAX_BYTES:,} are accepted")
+    try:
+        with _watchdog(TEMPLATE_SECONDS):
+            return _environment().from_string(template)
+    except (Exception, _TemplateTimeout) as exc:  # RecursionError, MemoryError and the like included
+        raise _template_error("compiling", exc) from None
+
+
+def _render(template: jinja2.Template, context: dict) -> str:
+    """Render with the bounds above: output size, call depth, time."""
+    try:
+        inputs = len(json.dumps(context.get("messages"), default=str, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        inputs = 0
+    saved = (_bounds.limit, _bounds.depth)
+    _bounds.limit, _bounds.depth = TEMPLATE_OUTPUT_BYTES + 4 * inputs, 0
+    out, total = [], 0
+    try:
+        with _watchdog(TEMPLATE_SECONDS):
+            for chunk in template.generate(**context):
+                total += len(chunk)
+                if total > _bounds.limit:
+                    raise _TemplateLimit(f"the output passed {_bounds.limit:,} characters")
+                out.append(chunk)
+    except (Exception, _TemplateTimeout) as exc:
+        raise _template_error("rendering", exc) from None
+    finally:
+        _bounds.limit, _bounds.depth = saved
+    return "".join(out)
+
+
+def render_chat_template(template: str, messages: list[dict], **context) -> str:
+    """Render a HF-style chat template (the environment transformers uses for chat templates),
+    bounded as described above; any failure is one TokenizerError."""
+    return _render(compile_chat_template(template), dict(messages=messages, **context))
