@@ -70,11 +70,11 @@ class StandIns(Kernels):
             return mx.concatenate([pairs, x[..., 2 * rope_half:]], axis=-1)
         qn = rotate(rms_norm(part(q, offsets[0], n_head), q_norm, eps[0]))
         kn = rotate(rms_norm(part(k, offsets[1], n_kv), k_norm, eps[0]))
-        return qn, kn.astype(mx.float16), part(v, offsets[2], n_kv).astype(mx.float16)
+        return qn, kn.transpose(1, 0, 2).astype(mx.float16), part(v, offsets[2], n_kv).transpose(1, 0, 2).astype(mx.float16)
 
     def decode_attention(self, q, keys, values, params, chunk, splits, gate=None, gate_offset=0, out_shape=None,
                          init_value=None):
-        n_head, hd = q.shape
+        n_head, hd = q.shape[-2:]
         self.attention_splits.append(splits)
         visible = mx.arange(keys.shape[1]) < mx.minimum(params[0], params[1] * chunk)
         k, v = keys.astype(mx.float32), values.astype(mx.float32)

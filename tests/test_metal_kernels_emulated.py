@@ -147,7 +147,8 @@ def rms(x, eps):
 
 @pytest.mark.parametrize("rope_half, rows", [(0, 1), (16, 1), (16, 3)])
 def test_qk_post(metal, rope_half, rows):
-    """One token row (a decode step) or several (B slots), each with its own RoPE angles."""
+    """One token row (a decode step) or several (B slots), each with its own RoPE angles; K and V
+    come out in the cache's layout (n_kv, rows, hd)."""
     n_head, n_kv, hd, eps = 4, 2, 48, 1e-6
     rng = np.random.default_rng([rope_half, rows])
     stacked = rng.standard_normal((rows, n_head * hd + n_kv * hd + 64)).astype(np.float32)  # Q|K|(gate) output
@@ -173,8 +174,8 @@ def test_qk_post(metal, rope_half, rows):
         k_ref = post(s[n_head * hd:(n_head + n_kv) * hd].reshape(n_kv, hd), k_norm)
         assert np.abs(np.array(q_out[r]) - q_ref).max() < 1e-5
         # K and V are stored as f16: the f32 results rounded once
-        assert np.abs(np.array(k_out[r], np.float64) - k_ref).max() <= 2e-3 * np.abs(k_ref).max()
-        assert np.array_equal(np.array(v_out[r]).reshape(-1), v[r].astype(np.float16))
+        assert np.abs(np.array(k_out[:, r], np.float64) - k_ref).max() <= 2e-3 * np.abs(k_ref).max()
+        assert np.array_equal(np.array(v_out[:, r]).reshape(-1), v[r].astype(np.float16))
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -65,10 +65,11 @@ class Kernels:
                          out_shape: tuple | None = None, init_value: float | None = None) -> mx.array:
         """One query token over the first params[0] rows of (n_kv, CAP, HD) f16 K/V, in `splits`
         splits of `chunk` rows (plan.attention_params(n_valid, chunk, splits) -> params; splits
-        past the rows weigh zero). q (n_head, HD) f32 -> (n_head, HD) f32, or `out_shape`.
+        past the rows weigh zero). q (n_head, HD) or (1, n_head, HD) f32 -> (n_head, HD) f32, or
+        `out_shape`.
         With `gate` (n_head * HD values from `gate_offset`) the output is multiplied by
         sigmoid(gate), the attention output gate, in the combine."""
-        partial, combine = plan.attention_launch(q.shape, keys.shape, chunk, splits, gate is not None, gate_offset,
+        partial, combine = plan.attention_launch(q.shape[-2:], keys.shape, chunk, splits, gate is not None, gate_offset,
                                                  out_shape, self.config)
         part_o, part_ml = self.kernel("attention_partial")(inputs=[q, keys, values, params], **partial)
         if gate is None:
@@ -83,7 +84,7 @@ class Kernels:
                 rope_half: int, eps: mx.array, n_head: int, n_kv: int, head_dim: int, offsets: tuple = (0, 0, 0),
                 init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """R token rows of q, k, v (f32, each (R, row width)) -> q normed and rotated (R, n_head, hd)
-        f32, k and v (R, n_kv, hd) f16.
+        f32, k and v (n_kv, R, hd) f16 (the cache's layout).
 
         q, k and v are read from `offsets` within each row of their arrays (pass one stacked
         Q|K|gate|V output as each). `rope`: (R, 2*rope_half) cos then sin of each row's angles,
@@ -95,9 +96,9 @@ class Kernels:
             inputs=[q, k, v, q_norm, k_norm, rope, eps],
             template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg),
                       ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
-                      ("QS", q.shape[-1]), ("KS", k.shape[-1]), ("VS", v.shape[-1])],
+                      ("QS", q.shape[-1]), ("KS", k.shape[-1]), ("VS", v.shape[-1]), ("ROWS", rows)],
             grid=((n_head + 2 * n_kv) * tpg, rows, 1), threadgroup=(tpg, 1, 1),
-            output_shapes=[(rows, n_head, head_dim), (rows, n_kv, head_dim), (rows, n_kv, head_dim)],
+            output_shapes=[(rows, n_head, head_dim), (n_kv, rows, head_dim), (n_kv, rows, head_dim)],
             output_dtypes=[mx.float32, mx.float16, mx.float16], init_value=init_value, stream=mx.gpu))
 
     def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps: mx.array,

@@ -92,17 +92,23 @@ class DecodeStep:
         self.kernels = kernels
 
     def attend(self, i: int, q: mx.array, k: mx.array, v: mx.array, gate: Slice) -> mx.array:
-        """Layer i: q (B, n_head, hd) f32, k, v (B, n_kv, hd) f16 -> the gated attention (B, n_head*hd)."""
+        """Layer i: q (B, n_head, hd) f32, k, v (n_kv, B, hd) f16 -> the gated attention (B, n_head*hd).
+
+        With B = 1 the arrays go to the scatter and the kernel as they are: each slice, reshape or
+        integer index would be a node per layer that the compiled step rebuilds every token, and
+        an integer index is a gather launch (revision ebd927c had ~8 such nodes a layer, 2 of them
+        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md)."""
         n_head, hd = q.shape[1:]
         outs = []
         for b in range(self.B):
             gi = self.layer_groups[b][i]
             s = 2 * (b * self.n_layer + i)
             rows = self.rows[b][gi]
-            self.state[s] = mx.put_along_axis(self.state[s], rows, k[b][:, None], axis=1)
-            self.state[s + 1] = mx.put_along_axis(self.state[s + 1], rows, v[b][:, None], axis=1)
+            k_row, v_row, q_row = (k, v, q) if self.B == 1 else (k[:, b:b + 1], v[:, b:b + 1], q[b:b + 1])
+            self.state[s] = mx.put_along_axis(self.state[s], rows, k_row, axis=1)
+            self.state[s + 1] = mx.put_along_axis(self.state[s + 1], rows, v_row, axis=1)
             outs.append(self.kernels.decode_attention(
-                q[b], self.state[s], self.state[s + 1], self.params[b][gi], self.chunks[gi], self.splits[gi],
+                q_row, self.state[s], self.state[s + 1], self.params[b][gi], self.chunks[gi], self.splits[gi],
                 gate=gate.array, gate_offset=b * gate.array.shape[-1] + gate.offset, out_shape=(1, n_head * hd)))
         return outs[0] if self.B == 1 else mx.concatenate(outs, axis=0)
 

@@ -114,14 +114,14 @@ class ChunkStep:
         self.scale = 1.0 / float(np.sqrt(g.head_dim))
 
     def attend(self, i: int, q: mx.array, k: mx.array, v: mx.array, gate: Slice) -> mx.array:
-        """Layer i: q (B*T, n_head, hd) f32, k, v (B*T, n_kv, hd) in the cache's dtype -> the gated
+        """Layer i: q (B*T, n_head, hd) f32, k, v (n_kv, B*T, hd) in the cache's dtype -> the gated
         attention output softmax(q K^T / sqrt(hd)) V * sigmoid(gate), (B*T, n_head * hd)."""
         T, outs = self.T, []
         window = self.g.sliding_window if self.g.is_swa(i) else None
         for b, cache in enumerate(self.caches):
             layer = cache.layers[i]
-            k_new = k[b * T:(b + 1) * T].transpose(1, 0, 2)   # (n_kv, T, hd): the cache's layout
-            v_new = v[b * T:(b + 1) * T].transpose(1, 0, 2)
+            k_new = k if len(self.caches) == 1 else k[:, b * T:(b + 1) * T]
+            v_new = v if len(self.caches) == 1 else v[:, b * T:(b + 1) * T]
             old_k, old_v, old_pos = layer.view()
             positions = np.arange(layer.offset, layer.offset + T, dtype=np.int64)
             keys = mx.concatenate([old_k, k_new], axis=1)
@@ -156,7 +156,7 @@ class ReferenceOps:
                 rope_half: int, g: Geometry, kv_dtype) -> tuple[mx.array, mx.array, mx.array]:
         """Per-head RMSNorm of q and k, RoPE on the first 2*rope_half dims (0: NoPE), k and v
         rounded to the cache's dtype. rope (rows, 2*rope_half): cos then sin of each row's angles.
-        -> q (rows, n_head, hd) f32, k and v (rows, n_kv, hd) in kv_dtype."""
+        -> q (rows, n_head, hd) f32, k and v (n_kv, rows, hd) in kv_dtype: the cache's layout."""
         rows = q.array.shape[0]
         qh = rms_norm(q.dense().reshape(rows, g.n_head, g.head_dim), q_norm, g.rms_eps)
         kh = rms_norm(k.dense().reshape(rows, g.n_head_kv, g.head_dim), k_norm, g.rms_eps)
@@ -164,7 +164,7 @@ class ReferenceOps:
             cos, sin = rope[:, :rope_half], rope[:, rope_half:2 * rope_half]
             qh, kh = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)
         vh = v.dense().reshape(rows, g.n_head_kv, g.head_dim)
-        return qh, kh.astype(kv_dtype), vh.astype(kv_dtype)
+        return qh, kh.transpose(1, 0, 2).astype(kv_dtype), vh.transpose(1, 0, 2).astype(kv_dtype)
 
     def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps_post: float,
                       eps_next: float) -> tuple[mx.array, mx.array]:

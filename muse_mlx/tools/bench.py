@@ -274,7 +274,8 @@ def _command(argv=None) -> int:
     else:
         if not args.model:
             raise MuseError("--model is required")
-        args.depths, args.prefill = _ints(args.depths), _ints(args.prefill)
+        args.depths, args.prefill = cli.ints(args.depths, "--depths"), cli.ints(args.prefill, "--prefill")
+        args.kernel_config = KernelConfig.parse(args.kernel_config)
         metrics = run_bench(args)
         receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {
             "model": str(args.model), "kernel_config": dataclasses.asdict(args.kernel_config)},
