@@ -28,3 +28,12 @@ class ContextLimitError(MuseError):
 
 class TokenizerError(MuseError):
     """A vocabulary or chat template the engine cannot build or render."""
+
+
+class NonFiniteError(MuseError):
+    """Logits that are not finite: never sampled from, never printed."""
+
+    def __init__(self, position: int):
+        super().__init__(f"non-finite logits at position {position}: the model's weights or activations overflow "
+                         f"float32 there (a corrupt or hostile file, or a context past what the model handles)")
+        self.position = position

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .errors import ContextLimitError, MuseError
+from .errors import ContextLimitError, MuseError, NonFiniteError
 from . import cli
 from .cli import Parser
 from .kv import SlotCache
@@ -28,13 +28,16 @@ def generate_tokens(model, cache: SlotCache, prompt_ids: list[int], sampler: Sam
                     stop_ids=frozenset()) -> Iterator[int]:
     """Prefill the prompt, then sample up to `max_tokens` tokens (decode_tokens)."""
     logits = model.prefill(prompt_ids, cache)
-    yield from decode_tokens(model, cache, sampler.token(logits[-1]), sampler, max_tokens, stop_ids)
+    yield from decode_tokens(model, cache, logits[-1], sampler, max_tokens, stop_ids)
 
 
-def decode_tokens(model, cache: SlotCache, token: mx.array, sampler: Sampler, max_tokens: int,
+def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, max_tokens: int,
                   stop_ids=frozenset()) -> Iterator[int]:
-    """From the lazy first token, up to `max_tokens` tokens, stopping at a stop id or a full cache
-    (the one decode loop: generate, the parity harness and the bench run it).
+    """From the logits of the cache's last position, up to `max_tokens` tokens, stopping at a stop
+    id or a full cache (the one decode loop: generate, the parity harness and the bench run it).
+
+    Every step's logits are checked finite (one reduction, read with the token it gives): a
+    non-finite row raises NonFiniteError naming its position instead of sampling from it.
 
     Pipelined: the step that feeds token t back is built from t's lazy value and submitted
     (mx.async_eval) before t is read, so the host prepares step t+1 while the GPU computes
@@ -42,18 +45,23 @@ def decode_tokens(model, cache: SlotCache, token: mx.array, sampler: Sampler, ma
     reading it. The cache contract: it holds the prompt and every token fed back, which here
     includes a stop token (that step was already under way when the stop was read), but not
     the last token when max_tokens or the context ends the run."""
+    position = cache.offset - 1
+    token, finite = sampler.token(logits), mx.all(mx.isfinite(logits))
     for i in range(max_tokens):
         following = None
         if i + 1 < max_tokens and cache.room > 0:
-            following = sampler.token(model.step(token, cache))
-            mx.async_eval(following)
+            step_logits = model.step(token, cache)
+            following = (sampler.token(step_logits), mx.all(mx.isfinite(step_logits)))
+            mx.async_eval(*following)
+        if not finite.item():
+            raise NonFiniteError(position)
         value = int(token.item())
         if value in stop_ids:
             return
         yield value
         if following is None:
             return
-        token = following
+        (token, finite), position = following, position + 1
 
 
 @dataclass
@@ -100,7 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(arg: str) -> str:
-    return sys.stdin.read() if arg == "-" else arg
+    """The prompt text, or stdin's bytes as strict UTF-8 for '-'."""
+    if arg != "-":
+        return arg
+    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MuseError(f"stdin is not UTF-8 text: byte {exc.start} ({data[exc.start]:#04x}) cannot be decoded") \
+            from None
 
 
 def run(argv: list[str] | None = None) -> int:

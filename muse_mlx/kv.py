@@ -20,6 +20,8 @@ queries of the same chunk still need.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import numpy as np
 
@@ -130,8 +132,34 @@ class GrowingPlane(_Rows):
         self.offset += n_new
 
 
+def memory_capacity_bytes() -> int | None:
+    """What this machine can give MLX: the GPU's recommended working set or memory, else the
+    physical RAM (the CPU backend); None when neither can be read."""
+    if mx.metal.is_available() or mx.cuda.is_available():
+        info = mx.device_info()
+        for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+            if key in info:
+                return int(info[key])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, `nbytes` more than the machine has left beside what MLX holds."""
+    capacity = memory_capacity_bytes()
+    if capacity is None:
+        return
+    in_use = mx.get_active_memory()
+    if nbytes > capacity - in_use:
+        raise ContextLimitError(f"{what} needs {nbytes:,} bytes; this machine has {max(0, capacity - in_use):,} "
+                                f"available ({capacity:,} in all, {in_use:,} in use)")
+
+
 class SlotCache:
-    """All layers' KV for one sequence (one slot), sized for `context` positions."""
+    """All layers' KV for one sequence (one slot), sized for `context` positions; refused before
+    allocating when the machine cannot hold it (check_fits)."""
 
     def __init__(self, geometry: Geometry, context: int, dtype=KV_DTYPE):
         if context <= 0:
@@ -140,6 +168,9 @@ class SlotCache:
         self.context = context
         self.dtype = dtype
         g = geometry
+        row = 2 * g.n_head_kv * g.head_dim * dtype.size   # K and V of one position
+        nbytes = sum(g.ring_rows(context) if g.is_swa(il) else context for il in range(g.n_layer)) * row
+        check_fits(nbytes, f"the KV cache for {context:,} positions")
         self.layers: list[SlidingRing | GrowingPlane] = [
             SlidingRing(g.n_head_kv, g.head_dim, g.ring_rows(context), g.sliding_window, dtype)
             if g.is_swa(il) else GrowingPlane(g.n_head_kv, g.head_dim, context, dtype)

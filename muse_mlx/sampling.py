@@ -40,7 +40,7 @@ class Sampler:
         if problems:
             raise ValueError("; ".join(problems))
         self.settings = settings
-        self._key = mx.random.key(settings.seed)
+        self._key = mx.random.key(settings.seed % 2**64)   # any integer: taken modulo 2^64
 
     def filter(self, logits: mx.array) -> mx.array:
         """Mask (to -inf) the tokens the top-k / top-p / min-p filters drop. logits: (V,) float32."""

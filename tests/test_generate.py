@@ -140,3 +140,86 @@ def test_sampler_filters():
     assert keep(top_p=0.76) == [True, True, True, False, False]
     assert keep(min_p=0.2) == [True, True, True, False, False]
     assert keep(top_p=0.01) == [True, False, False, False, False]
+
+
+# ---- hostile input at the command line (issue 19) ------------------------------------------
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**70), str(-(2**70))])
+def test_seeds_of_any_integer_size(f32_fixture, seed):
+    """Seeds are taken modulo 2^64: any integer samples, reproducibly."""
+    runs = [run_cli("--model", str(f32_fixture), "-m", "6", "--temp", "1.0", "--seed", seed) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout
+
+
+@pytest.mark.parametrize("data, fragment", [(b"caf\xe9 au lait", "byte 3 (0xe9)"),
+                                            (bytes(range(256)), "byte 128 (0x80)")])
+def test_stdin_that_is_not_utf8(f32_fixture, data, fragment):
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "-p", "-", "-m", "2"],
+                       input=data, capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and r.stdout == b"" and len(err.strip().splitlines()) == 1, err
+    assert "stdin is not UTF-8" in err and fragment in err
+
+
+def test_a_closed_stdout_ends_quietly(f32_fixture):
+    """Output piped into `head -c 5`: the reader goes away; the command exits 0 with nothing on stderr."""
+    p = subprocess.Popen([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "-m", "400"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(5)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0 and err == "", err
+
+
+def _poisoned(model, at_step: int):
+    """The model with the logits of its `at_step`-th single-token step replaced by NaN (0: the prefill's)."""
+    real_prefill, real_step, calls = model.prefill, model.step, []
+
+    def prefill(*a, **kw):
+        out = real_prefill(*a, **kw)
+        return out * mx.nan if at_step == 0 else out
+
+    def step(*a, **kw):
+        calls.append(1)
+        out = real_step(*a, **kw)
+        return out * mx.nan if len(calls) == at_step else out
+    model.prefill, model.step = prefill, step
+    return model
+
+
+@pytest.mark.parametrize("at_step", [0, 3])
+def test_non_finite_logits_stop_generation_with_their_position(f32_fixture, at_step):
+    from muse_mlx.errors import NonFiniteError
+
+    model = _poisoned(load(f32_fixture), at_step)
+    ids = MuseTokenizer(model.artifact.vocabulary).encode("The weights are a river.")
+    got = []
+    with pytest.raises(NonFiniteError) as exc:
+        for t in generate_tokens(model, model.make_cache(), ids, Sampler(SamplerSettings(temp=0.7, seed=1)), 10):
+            got.append(t)
+    assert exc.value.position == len(ids) - 1 + at_step and len(got) == at_step
+    assert f"position {len(ids) - 1 + at_step}" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_non_finite_logits_exit_2_from_the_cli(f32_fixture, monkeypatch, capsys):
+    from muse_mlx import generate
+
+    monkeypatch.setattr("muse_mlx.model.load", lambda path, backend="auto": _poisoned(load(path, backend), 2))
+    assert generate.main(["--model", str(f32_fixture), "-m", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: non-finite logits at position"), err
+
+
+def test_a_kv_cache_that_does_not_fit_is_refused_before_allocating(f32_fixture, monkeypatch, capsys):
+    from muse_mlx import generate, kv
+
+    model = load(f32_fixture)
+    need = model.geometry.slot_kv_bytes(model.geometry.context_length)
+    monkeypatch.setattr(kv, "memory_capacity_bytes", lambda: mx.get_active_memory() + need - 1)
+    with pytest.raises(kv.ContextLimitError, match=f"needs {need:,} bytes"):
+        model.make_cache()
+    assert generate.main(["--model", str(f32_fixture), "-m", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"needs {need:,} bytes" in err[0] and "available" in err[0], err

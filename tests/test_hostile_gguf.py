@@ -3,7 +3,8 @@
 Each case the issue reproduced is a named test below; then a seeded fuzz run over
 mutants of three fixtures (byte flips by region, truncations, count / offset / type /
 value edits, tokenizer and template payloads) through `open_artifact` and the tokenizer.
-The model's forward pass is outside this file. MUSE_FUZZ_MUTANTS sets the fuzz size
+A mutant that loads is also run for one token (generate_tokens on the reference backend): its
+logits must be finite, or the engine must refuse with its own error. MUSE_FUZZ_MUTANTS sets the fuzz size
 (default 100 per fixture; e.g. MUSE_FUZZ_MUTANTS=700 for a 2,100-mutant run).
 """
 
@@ -319,15 +320,26 @@ def test_large_finite_f16_weight_loads(fixtures, tmp_path):
 
 
 def fuzz_outcome(path) -> str:
+    """'refused' (the engine's own one-line error at load or at the first token, e.g. non-finite
+    logits) or 'finite' (loaded, and a one-token prompt gave finite logits and a token)."""
+    from muse_mlx.generate import generate_tokens
+    from muse_mlx.model import Model
+    from muse_mlx.ops import ReferenceOps
+    from muse_mlx.sampling import Sampler, SamplerSettings
+
     try:
         a = open_artifact(path)
         tok = MuseTokenizer(a.vocabulary)
-        tok.encode("hello <|start|> world 123")
+        ids = tok.encode("hello <|start|> world 123")
         try:
             tok.apply_chat_template([{"role": "user", "content": "hi"}])
         except MuseError as exc:
             assert "\n" not in str(exc)
-        return "loaded"
+        model = Model(a, ReferenceOps())
+        cache = model.make_cache(min(8, a.geometry.context_length))
+        out = list(generate_tokens(model, cache, ids[:1] or [0], Sampler(SamplerSettings()), 1))
+        assert len(out) == 1 and 0 <= out[0] < a.geometry.n_vocab
+        return "finite"
     except MuseError as exc:
         assert "\n" not in str(exc), str(exc)
         return "refused"
@@ -352,5 +364,5 @@ def test_fuzz(fixtures, tmp_path):
             slowest = max(slowest, time.perf_counter() - t)
     print(f"fuzz: {sum(counts.values())} mutants: {dict(counts)}; slowest {slowest:.2f} s")
     assert not failures, "\n".join(failures[:20])
-    assert counts["refused"] and counts["loaded"]
+    assert counts["refused"] and counts["finite"]
     assert slowest < 10

@@ -77,7 +77,7 @@ def decode_cell(model, depth: int, tokens: int, reps: int, warmup: int) -> dict:
     def pipelined() -> float:
         cache.fill_random(depth)
         t = time.perf_counter()
-        n = sum(1 for _ in decode_tokens(model, cache, mx.array(1), greedy, tokens))
+        n = sum(1 for _ in decode_tokens(model, cache, model.step(1, cache), greedy, tokens))
         return n / (time.perf_counter() - t)
 
     out = {"depth": depth, "tokens_per_rep": tokens, "kv_fill": "random f16 rows (synthetic)",
