@@ -18,11 +18,9 @@ into the receipt with the ratios llama.cpp ÷ muse_mlx (above 1: we are slower).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -223,44 +221,83 @@ def run_bench(args) -> dict:
 
 def combine(ours_path, llama_path) -> dict:
     """Ratios llama.cpp ÷ muse_mlx (tok/s) from llama-bench's JSON (-o json) and our bench receipt."""
-    ours = json.loads(Path(ours_path).read_text())
-    llama = json.loads(Path(llama_path).read_text())
+    from .receipts import json_kind, read_json
+
+    ours = read_json(ours_path, "--combine")
+    llama = read_json(llama_path, "--combine")
+    if not isinstance(ours, dict):
+        raise MuseError(f"--combine {ours_path}: expected a bench receipt (a JSON object), found {json_kind(ours)}")
+    if not isinstance(ours.get("metrics"), dict):
+        raise MuseError(f"--combine {ours_path}: not a bench receipt (metrics is {json_kind(ours.get('metrics'))}, "
+                        f"not an object)")
+    if not isinstance(llama, list):
+        raise MuseError(f"--combine {llama_path}: expected llama-bench's -o json output (an array), "
+                        f"found {json_kind(llama)}")
     m = ours["metrics"]
     ratios = []
-    for rec in llama:
-        n_prompt, n_gen, depth = rec.get("n_prompt", 0), rec.get("n_gen", 0), rec.get("n_depth", 0)
-        entry = {"llama": {"n_prompt": n_prompt, "n_gen": n_gen, "depth": depth, "avg_ts": rec["avg_ts"],
-                           "stddev_ts": rec["stddev_ts"], "samples_ts": rec.get("samples_ts")}}
-        if n_gen and not n_prompt:
-            mine = next((c for c in m["decode"] if c["depth"] == depth), None)
-            if mine:
-                entry.update(cell=f"decode depth {depth}", ours_tok_s=mine["tok_s"]["mean"],
-                             ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
-        elif n_prompt and not n_gen:
-            mine = next((c for c in m["prefill"] if c["length"] == n_prompt), None)
-            if mine:
-                entry.update(cell=f"prefill {n_prompt}", ours_tok_s=mine["tok_s"]["mean"],
-                             ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
+    for i, rec in enumerate(llama):
+        try:
+            n_prompt, n_gen, depth = rec.get("n_prompt", 0), rec.get("n_gen", 0), rec.get("n_depth", 0)
+            entry = {"llama": {"n_prompt": n_prompt, "n_gen": n_gen, "depth": depth, "avg_ts": rec["avg_ts"],
+                               "stddev_ts": rec["stddev_ts"], "samples_ts": rec.get("samples_ts")}}
+            if n_gen and not n_prompt:
+                mine = next((c for c in m.get("decode", []) if c["depth"] == depth), None)
+                if mine:
+                    entry.update(cell=f"decode depth {depth}", ours_tok_s=mine["tok_s"]["mean"],
+                                 ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
+            elif n_prompt and not n_gen:
+                mine = next((c for c in m.get("prefill", []) if c["length"] == n_prompt), None)
+                if mine:
+                    entry.update(cell=f"prefill {n_prompt}", ours_tok_s=mine["tok_s"]["mean"],
+                                 ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
+        except (KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
+            raise MuseError(f"--combine {ours_path} {llama_path}: record {i} of llama-bench's output does not "
+                            f"fit the receipt ({type(exc).__name__}: {exc})") from None
         ratios.append(entry)
     return {"ours": ours, "llama_bench": llama, "ratios": ratios}
+
+
+def check_flags(args) -> None:
+    """Every number the bench takes, checked before anything is loaded (no GPU needed). Parses
+    --depths and --prefill into lists and --kernel-config into a KernelConfig in place."""
+    if args.reps < 1:
+        raise MuseError(f"--reps must be >= 1, got {args.reps}")
+    if args.warmup < 0:
+        raise MuseError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.decode_tokens < 1:
+        raise MuseError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
+    args.depths, args.prefill = cli.ints(args.depths, "--depths"), cli.ints(args.prefill, "--prefill")
+    bad = [d for d in args.depths if d < 0]
+    if bad:
+        raise MuseError(f"--depths must be >= 0, got {bad[0]}")
+    bad = [n for n in args.prefill if n < 1]
+    if bad:
+        raise MuseError(f"--prefill lengths must be >= 1, got {bad[0]}")
+    args.kernel_config = KernelConfig.parse(args.kernel_config)
+    if args.receipt is not None:
+        from .receipts import check_output
+
+        check_output(args.receipt, "--receipt")
 
 
 def _command(argv=None) -> int:
     p = Parser(prog="python -m muse_mlx.tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a muse-glimmer GGUF (the numbers are as synthetic as the file)")
-    p.add_argument("--depths", default="0,32768", help="decode depths (default %(default)s)")
-    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode repetition (default %(default)s)")
-    p.add_argument("--prefill", default="512,2048", help="prefill lengths (default %(default)s)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--depths", default="0,32768", help="decode depths, each >= 0 (default %(default)s)")
+    p.add_argument("--decode-tokens", type=int, default=64,
+                   help="tokens per decode repetition, >= 1 (default %(default)s)")
+    p.add_argument("--prefill", default="512,2048", help="prefill lengths, each >= 1 (default %(default)s)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell, >= 1 (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first, >= 0 (default %(default)s)")
     p.add_argument("--no-matvecs", dest="matvecs", action="store_false", help="skip the matvec-only comparison")
-    p.add_argument("--receipt", help="write the receipt here")
+    p.add_argument("--receipt", help="write the receipt here (its folder must exist)")
     p.add_argument("--combine", nargs=2, metavar=("OURS_JSON", "LLAMA_BENCH_JSON"),
                    help="fold a llama-bench -o json result into our receipt, with ratios")
     p.add_argument("--kernel-config", default="", help="kernel tuning values, name=value,... (config.KernelConfig; "
                                                         "default: its defaults)")
     p.add_argument("--synthetic", action="store_true", help="label the numbers synthetic (random-block fixture)")
     args = p.parse_args(argv)
+    check_flags(args)
     from .receipts import make_receipt, write_receipt
 
     if args.combine:
@@ -274,13 +311,11 @@ def _command(argv=None) -> int:
     else:
         if not args.model:
             raise MuseError("--model is required")
-        args.depths, args.prefill = cli.ints(args.depths, "--depths"), cli.ints(args.prefill, "--prefill")
-        args.kernel_config = KernelConfig.parse(args.kernel_config)
         metrics = run_bench(args)
         receipt = make_receipt("bench/decode-prefill", inputs=vars(args) | {
             "model": str(args.model), "kernel_config": dataclasses.asdict(args.kernel_config)},
                                metrics=metrics, synthetic=args.synthetic)
-    if args.receipt:
+    if args.receipt is not None:
         print(f"receipt: {write_receipt(args.receipt, receipt)}")
     return 0
 

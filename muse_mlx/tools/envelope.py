@@ -11,7 +11,7 @@ throughput, not a measurement of the memory system, and is printed as such.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,34 +92,93 @@ def effective_gbps(bytes_per_token: int, tok_s: float) -> float:
     return bytes_per_token * tok_s / 1e9
 
 
-def tok_s_from_receipt(path) -> float:
+MAX_FILE_BYTES = 2**63 - 1  # what a file size (off_t) can be
+
+
+def finite_positive(text: str) -> float:
+    """argparse type: a finite number > 0 (not inf, not nan)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise MuseError(f"{path}: cannot read a receipt: {exc}") from None
-    value = data.get("metrics", {}).get("decode_tok_s")
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def tok_s_from_receipt(path) -> float:
+    """metrics.decode_tok_s (a number, or {"mean": number}) of a bench receipt; one MuseError naming
+    the file and what was wrong when it is not there or not a finite positive number."""
+    from .receipts import json_kind, read_json
+
+    where = f"--bench-receipt {path}"
+    data = read_json(path, "--bench-receipt")
+    if not isinstance(data, dict):
+        raise MuseError(f"{where}: expected a JSON object (a bench receipt), found {json_kind(data)}")
+    metrics = data.get("metrics")
+    if not isinstance(metrics, dict):
+        raise MuseError(f"{where}: no metrics object (metrics is {json_kind(metrics)})" if "metrics" in data
+                        else f"{where}: no metrics.decode_tok_s (no metrics object)")
+    if "decode_tok_s" not in metrics:
+        raise MuseError(f"{where}: no metrics.decode_tok_s")
+    name, value = "metrics.decode_tok_s", metrics["decode_tok_s"]
     if isinstance(value, dict):
-        value = value.get("mean")
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise MuseError(f"{path}: no positive metrics.decode_tok_s in this receipt")
-    return float(value)
+        if "mean" not in value:
+            raise MuseError(f"{where}: metrics.decode_tok_s is an object without a mean")
+        name, value = "metrics.decode_tok_s.mean", value["mean"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MuseError(f"{where}: {name} is {json_kind(value)}, not a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        raise MuseError(f"{where}: {name} = {value!r}, not a finite number > 0")
+    return number
+
+
+def check_derivable(e: Envelope, tok_s: float | None, ceiling: float | None) -> None:
+    """Refuse inputs whose derived numbers would overflow to inf or 0 (e.g. --tok-s 1e300)."""
+    values = {"bits per parameter": e.bits_per_param, "FLOP/B over the file": e.matmul_flops / e.file_bytes}
+    if tok_s is not None:
+        values.update({"token time": 1e3 / tok_s, "effective GB/s": effective_gbps(e.token_bytes, tok_s),
+                       "effective GB/s (file)": effective_gbps(e.file_bytes, tok_s)})
+        if ceiling is not None:
+            values.update({"fraction of the ceiling": effective_gbps(e.token_bytes, tok_s) / ceiling,
+                           "tok/s the ceiling allows": ceiling * 1e9 / e.token_bytes})
+    bad = [k for k, v in values.items() if not (math.isfinite(v) and v > 0)]
+    if bad:
+        given = [f"{e.file_bytes:,} file bytes"] + ([f"{tok_s:g} tok/s"] if tok_s is not None else []) + \
+            ([f"a {ceiling:g} GB/s ceiling"] if ceiling is not None else [])
+        raise MuseError(f"out of range: with {', '.join(given)} the {bad[0]} would be {values[bad[0]]:g}")
 
 
 def _command(argv=None) -> int:
     p = Parser(prog="python -m muse_mlx.tools.envelope", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a muse-glimmer GGUF (default: the pinned geometry in the Q4_K_M layout, "
                                    "with the pinned artifact's size from seed 002)")
-    p.add_argument("--tok-s", type=float, help="a measured decode throughput, tokens/s")
+    p.add_argument("--tok-s", type=finite_positive, help="a measured decode throughput, tokens/s (finite, > 0)")
     p.add_argument("--bench-receipt", help="a benchmark receipt to read decode tok/s from (metrics.decode_tok_s)")
     p.add_argument("--depth", type=int, default=0, help="context depth for the KV read (default 0)")
-    p.add_argument("--ceiling-gbps", type=float, help="a measured read bandwidth to compare against, GB/s")
-    p.add_argument("--file-bytes", type=int, help="override the bytes on disk (e.g. the book's artifact)")
-    p.add_argument("--receipt", help="write this run's receipt JSON here")
+    p.add_argument("--ceiling-gbps", type=finite_positive,
+                   help="a measured read bandwidth to compare against, GB/s (finite, > 0; needs a tok/s)")
+    p.add_argument("--file-bytes", type=int, help="override the bytes on disk (e.g. the book's artifact; >= 1)")
+    p.add_argument("--receipt", help="write this run's receipt JSON here (its folder must exist)")
     args = p.parse_args(argv)
-    if args.tok_s is not None and args.bench_receipt:
+    if args.tok_s is not None and args.bench_receipt is not None:
         raise MuseError("give --tok-s or --bench-receipt, not both")
+    if args.ceiling_gbps is not None and args.tok_s is None and args.bench_receipt is None:
+        raise MuseError("--ceiling-gbps needs a throughput to compare: give --tok-s or --bench-receipt")
     if args.depth < 0:
         raise MuseError(f"--depth must be >= 0, got {args.depth}")
+    if args.file_bytes is not None and not 1 <= args.file_bytes <= MAX_FILE_BYTES:
+        shown = args.file_bytes if len(str(args.file_bytes)) <= 24 else f"a {len(str(abs(args.file_bytes)))}-digit number"
+        raise MuseError(f"--file-bytes must be between 1 and {MAX_FILE_BYTES:,}, got {shown}")
+    if args.receipt is not None:
+        from .receipts import check_output
+
+        check_output(args.receipt, "--receipt")
+    tok_s = args.tok_s if args.bench_receipt is None else tok_s_from_receipt(args.bench_receipt)
     if args.model:
         from ..artifact import open_artifact
 
@@ -136,13 +195,10 @@ def _command(argv=None) -> int:
         file_bytes, source = args.file_bytes, "given with --file-bytes"
     if args.depth > g.context_length:
         raise MuseError(f"--depth {args.depth:,} exceeds the model's {g.context_length:,} positions")
-    tok_s = args.tok_s if args.tok_s is not None else \
-        (tok_s_from_receipt(args.bench_receipt) if args.bench_receipt else None)
-    if tok_s is not None and not tok_s > 0:
-        raise MuseError(f"--tok-s must be positive, got {tok_s}")
     e = envelope(g, types, file_bytes, source, args.depth)
+    check_derivable(e, tok_s, args.ceiling_gbps)
     metrics = print_report(g, e, tok_s, args.ceiling_gbps)
-    if args.receipt:
+    if args.receipt is not None:
         from .receipts import make_receipt, write_receipt
 
         r = make_receipt("envelope", inputs={"model": args.model, "tok_s": tok_s, "depth": args.depth,
@@ -178,7 +234,7 @@ def print_report(g: Geometry, e: Envelope, tok_s: float | None, ceiling: float |
           f"(the book's convention), {eff_stream:.2f} GB/s counting the streamed bytes")
         metrics.update(tok_s=tok_s, token_ms=1e3 / tok_s, effective_gbps_file=eff_file,
                        effective_gbps_streamed=eff_stream)
-        if ceiling:
+        if ceiling is not None:
             w(f"  {eff_stream / ceiling:.1%} of the {ceiling:,.0f} GB/s ceiling given "
               f"(streamed bytes); the ceiling allows {ceiling * 1e9 / e.token_bytes:.1f} tok/s")
             metrics.update(ceiling_gbps=ceiling, fraction_of_ceiling=eff_stream / ceiling)

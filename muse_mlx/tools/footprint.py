@@ -24,6 +24,7 @@ from ..geometry import PINNED, Geometry
 from ..kv import SlotCache
 
 DEFAULT_CONTEXTS = (2_048, 8_192, 32_768, 131_072)
+MAX_SLOTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ def machine_memory_bytes() -> int | None:
 
 
 def plot(g: Geometry, path: Path, max_context: int | None = None) -> Path:
-    """Figure 22.1: KV bytes per slot against context, per layer class."""
+    """Figure 22.1: KV bytes per slot against context, per layer class, as a PNG at `path`
+    (written atomically; its folder must exist)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,20 +126,30 @@ def plot(g: Geometry, path: Path, max_context: int | None = None) -> Path:
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    from .receipts import write_atomic
+
+    try:
+        return write_atomic(path, lambda f: fig.savefig(f, format="png"), "--plot")
+    finally:
+        plt.close(fig)
 
 
 def _parse_contexts(text: str) -> list[int]:
-    try:
-        values = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise MuseError(f"--contexts must be a comma-separated list of integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise MuseError(f"--contexts must be positive integers, got {text!r}")
+    """--contexts: comma-separated integers >= 1 (each checked against the model's limit later)."""
+    values = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        try:
+            v = int(x)
+        except ValueError:
+            shown = x if len(x) <= 40 else x[:40] + "..."
+            raise MuseError(f"--contexts must be a comma-separated list of integers, got {shown!r}") from None
+        if v < 1:
+            raise MuseError(f"--contexts must be positive integers, got {v}")
+        values.append(v)
+    if not values:
+        raise MuseError(f"--contexts must name at least one context, got {text!r}")
     return values
 
 
@@ -211,15 +223,24 @@ def _command(argv=None) -> int:
     p.add_argument("--model", help="a muse-glimmer GGUF (default: the pinned geometry)")
     p.add_argument("--contexts", default=",".join(str(c) for c in DEFAULT_CONTEXTS),
                    help="comma-separated context lengths (default %(default)s)")
-    p.add_argument("--slots", type=int, default=4, help="concurrent slots (default %(default)s)")
-    p.add_argument("--plot", help="write Figure 22.1 (KV bytes vs context per class) to this PNG")
+    p.add_argument("--slots", type=int, default=4, help=f"concurrent slots, 1 to {MAX_SLOTS:,} (default %(default)s)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write Figure 22.1 (KV bytes vs context per class) to this file; the name must end in "
+                        ".png (nothing is appended) and its folder must exist")
     p.add_argument("--allocate", action="store_true",
                    help="also allocate the slots at the largest context, if they fit this machine")
-    p.add_argument("--receipt", help="write a receipt JSON here")
+    p.add_argument("--receipt", help="write a receipt JSON here (its folder must exist)")
     args = p.parse_args(argv)
     contexts = _parse_contexts(args.contexts)
-    if args.slots < 1:
-        raise MuseError(f"--slots must be >= 1, got {args.slots}")
+    if not 1 <= args.slots <= MAX_SLOTS:
+        shown = args.slots if len(str(args.slots)) <= 24 else f"a {len(str(abs(args.slots)))}-digit number"
+        raise MuseError(f"--slots must be between 1 and {MAX_SLOTS:,}, got {shown}")
+    from .receipts import check_output
+
+    if args.plot is not None:
+        check_output(args.plot, "--plot", suffix=".png")
+    if args.receipt is not None:
+        check_output(args.receipt, "--receipt")
     if args.model:
         from ..artifact import open_artifact
 
@@ -234,9 +255,9 @@ def _command(argv=None) -> int:
     if args.allocate:
         metrics["allocation"] = allocate(g, max(contexts), args.slots, metrics["need_bytes"],
                                          metrics["machine_bytes"])
-    if args.plot:
+    if args.plot is not None:
         print(f"plot: {plot(g, Path(args.plot))}")
-    if args.receipt:
+    if args.receipt is not None:
         from .receipts import make_receipt, write_receipt
 
         r = make_receipt("footprint", inputs={"model": args.model, "contexts": contexts, "slots": args.slots,
