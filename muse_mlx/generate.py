@@ -104,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
     p.add_argument("--reference", action="store_true",
                    help="use the MLX-ops reference path even on a GPU (the exactness path)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--prompt-cache", metavar="DIR",
+                    help="reuse the longest stored prefix of the prompt and store this prompt's checkpoints "
+                         "(a folder of kvpacks; warm output equals cold output bit for bit)")
+    kv.add_argument("--load-kv", metavar="PACK", help="start from this kvpack (its tokens must begin the prompt)")
+    p.add_argument("--save-kv", metavar="PACK",
+                   help="write the prompt's KV as a kvpack, at the last multiple of 512 positions before the "
+                        "prompt's last token (so that --load-kv reproduces this run bit for bit)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=16 * 2**30,
+                   help="the prompt cache's byte budget, least recently used entries evicted (default 16 GiB)")
     return p
 
 
@@ -130,6 +140,8 @@ def run(argv: list[str] | None = None) -> int:
         problems.append(f"--max-context must be >= 1, got {args.max_context}")
     if args.system_prompt is not None and not args.chat:
         problems.append("--system-prompt needs --chat")
+    if args.prompt_cache_bytes < 0:
+        problems.append(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
     if problems:
         raise MuseError(problems[0])
 
@@ -137,8 +149,8 @@ def run(argv: list[str] | None = None) -> int:
     from .model import load
     from .tokenizer import MuseTokenizer
 
-    model = load(args.model if args.model is not None else default_model_path(),
-                 backend="reference" if args.reference else "auto")
+    model_path = args.model if args.model is not None else default_model_path()
+    model = load(model_path, backend="reference" if args.reference else "auto")
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:
@@ -158,14 +170,14 @@ def run(argv: list[str] | None = None) -> int:
         raise ContextLimitError(f"the prompt is {len(prompt_ids)} tokens, longer than the context of {context} "
                                 f"positions (--max-context)")
 
-    cache = model.make_cache(context)
     sampler = Sampler(settings)
     streamer = tokenizer.streamer()
     stats = Stats(prompt_tokens=len(prompt_ids))
     out = sys.stdout
     start = time.perf_counter()
+    cache, logits = prefill(model, model_path, prompt_ids, context, args)
     first = None
-    for token in generate_tokens(model, cache, prompt_ids, sampler, args.max_tokens, tokenizer.stop_ids):
+    for token in decode_tokens(model, cache, logits[-1], sampler, args.max_tokens, tokenizer.stop_ids):
         if first is None:
             first = time.perf_counter()
         stats.generated_tokens += 1
@@ -181,6 +193,45 @@ def run(argv: list[str] | None = None) -> int:
     for line in stats.lines(cache, model):
         print(line, file=sys.stderr)
     return 0
+
+
+def prefill(model, model_path, prompt_ids: list[int], context: int, args):
+    """The prompt into a new slot: cold, from a kvpack (--load-kv) or the prompt cache; and
+    --save-kv. Returns (cache, logits of the prompt's last token). Reports reuse on stderr."""
+    from . import kvpack
+    from .geometry import PREFILL_CHUNK
+    from .prompt_cache import PromptCache
+
+    g = model.geometry
+    model_id = None
+    if args.load_kv or args.save_kv or args.prompt_cache:
+        model_id = {"fingerprint": kvpack.fingerprint(model_path), "architecture": "muse-glimmer"}
+    if args.load_kv:
+        t = time.perf_counter()
+        cache, tokens = kvpack.restore(args.load_kv, g, model_id["fingerprint"], context)
+        if len(tokens) >= len(prompt_ids) or prompt_ids[:len(tokens)] != tokens:
+            raise MuseError(f"{args.load_kv}: its {len(tokens)} tokens are not a proper prefix of the prompt's "
+                            f"{len(prompt_ids)}")
+        print(f"kv: restored {len(tokens)} of {len(prompt_ids)} prompt tokens from {args.load_kv} in "
+              f"{time.perf_counter() - t:.3f} s", file=sys.stderr)
+    else:
+        cache, tokens = None, []
+    if args.prompt_cache:
+        pc = PromptCache(args.prompt_cache, model_id, g, budget_bytes=args.prompt_cache_bytes)
+        cache, reused, seconds = pc.lookup(prompt_ids, context)
+        print(f"prompt cache: reused {reused} of {len(prompt_ids)} prompt tokens"
+              + (f" (restore {seconds:.3f} s)" if reused else ""), file=sys.stderr)
+        cache = cache or model.make_cache(context)
+        return cache, pc.prefill(model, prompt_ids, cache, reused)
+    cache = cache or model.make_cache(context)
+    start = len(tokens)
+    if args.save_kv:
+        point = max(start, (len(prompt_ids) - 1) // PREFILL_CHUNK * PREFILL_CHUNK)
+        if point > start:
+            model.prefill(prompt_ids[start:point], cache)
+        kvpack.save(cache, prompt_ids[:point], model_id, args.save_kv)
+        start = point
+    return cache, model.prefill(prompt_ids[start:], cache)
 
 
 def main(argv: list[str] | None = None) -> int:

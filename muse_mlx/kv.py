@@ -57,6 +57,28 @@ class _Rows:
     def state(self) -> list[mx.array]:
         return [self.keys, self.values]
 
+    @property
+    def held(self) -> int:
+        """Rows that hold positions: physical rows 0..held-1."""
+        return min(self.offset, self.capacity)
+
+    def held_rows(self) -> tuple[mx.array, mx.array]:
+        """K and V of the held rows, as stored (a ring's in physical order)."""
+        return self.keys[:, :self.held, :], self.values[:, :self.held, :]
+
+    def restore_rows(self, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Take `keys`, `values` (n_kv, rows, head_dim) as the held rows of a storage whose next
+        position is `offset` (kvpack's restore): they must be exactly the rows `offset` implies."""
+        held = min(offset, self.capacity)
+        want = (self.keys.shape[0], held, self.keys.shape[2])
+        if keys.shape != want or values.shape != want or keys.dtype != self.dtype or values.dtype != self.dtype:
+            raise ValueError(f"restore needs K and V of shape {want} and dtype {self.dtype}, got "
+                             f"{keys.shape} {keys.dtype} / {values.shape} {values.dtype}")
+        if held:
+            self.keys[:, :held, :] = keys
+            self.values[:, :held, :] = values
+        self.offset = offset
+
     def rebind(self, keys: mx.array, values: mx.array, n_new: int) -> None:
         """Take `keys` and `values` (this storage with rows for the next n_new positions already
         written at `next_row` on: a compiled step's outputs) as the storage, n_new tokens on."""

@@ -261,15 +261,22 @@ class Model(nn.Module):
         return fn
 
     def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK, all_logits: bool = False) -> mx.array:
-        """Feed one sequence's prompt in chunks of `chunk` positions -> logits of its last token (1, V),
-        or of every token (L, V)."""
+        """Feed one sequence's tokens at positions cache.offset.. -> logits of the last (1, V), or of
+        every token (L, V).
+
+        Chunks end at multiples of `chunk` in absolute positions, so a prompt fed in several calls
+        that stop at such multiples (a cache restored from a pack saved there, kvpack) computes
+        every chunk with the same rows as one call from position 0: the same bits."""
         tokens = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens))
-        cache.check_room(tokens.shape[0])
-        outs = []
-        for a in range(0, tokens.shape[0], chunk):
-            logits = self(tokens[None, a:a + chunk], [cache], last_only=not all_logits)[0]
+        n = tokens.shape[0]
+        cache.check_room(n)
+        outs, a = [], 0
+        while a < n:
+            b = min(n, a + chunk - (cache.offset % chunk))
+            logits = self(tokens[None, a:b], [cache], last_only=not all_logits)[0]
             mx.eval(logits, cache.state())
             outs.append(logits)
+            a = b
         return mx.concatenate(outs, axis=0) if all_logits else outs[-1]
 
     def step(self, token: int | mx.array, cache: SlotCache) -> mx.array:

@@ -19,6 +19,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import muse_mlx.model as model_module
+import muse_mlx.ops.reference as reference_ops
 from muse_mlx.tools import parity
 from muse_mlx.artifact import open_artifact
 from muse_mlx.tools.llamacpp import LlamaCpp, lib
@@ -85,13 +86,13 @@ def with_geometry(path, **changes):
 
 
 FAULTS = {
-    "rope-neox-mode": lambda mp, path: (mp.setattr(model_module, "apply_rope", neox_rope), load(path))[1],
+    "rope-neox-mode": lambda mp, path: (mp.setattr(reference_ops, "apply_rope", neox_rope), load(path))[1],
     "rope-full-base": lambda mp, path: with_geometry(path, rope_base_swa=1_000_000.0),
     "norm-eps-default": lambda mp, path: with_geometry(path, rms_eps=1e-6),
     "post-norm-eps-from-file": lambda mp, path: (mp.setattr(model_module, "POST_NORM_EPS", 1e-3), load(path))[1],
     "window-plus-one": lambda mp, path: with_geometry(path, sliding_window=65),
     "window-minus-one": lambda mp, path: with_geometry(path, sliding_window=63),
-    "gate-missing": lambda mp, path: (mp.setattr(model_module, "output_gate", lambda a, g: a), load(path))[1],
+    "gate-missing": lambda mp, path: (mp.setattr(reference_ops, "output_gate", lambda a, g: a), load(path))[1],
     "softcap-missing": lambda mp, path: with_geometry(path, final_logit_softcap=None),
 }
 

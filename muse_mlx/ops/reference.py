@@ -97,6 +97,11 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, q_pos: np.ndarray, 
     return out.reshape(n_head, L, hd).transpose(1, 0, 2).reshape(L, n_head * hd)
 
 
+def output_gate(a: mx.array, gate: mx.array) -> mx.array:
+    """The attention output gate: a * sigmoid(Wgate h), before the output projection."""
+    return a * mx.sigmoid(gate)
+
+
 @mx.compile
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
@@ -130,7 +135,7 @@ class ChunkStep:
             layer.append(k_new, v_new)
             outs.append(attention(q[b * T:(b + 1) * T], keys, values, positions, k_pos, window, self.scale))
         a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return a * mx.sigmoid(gate.dense())
+        return output_gate(a, gate.dense())
 
     def layer_state(self, i: int) -> list[mx.array]:
         return [a for c in self.caches for a in c.layers[i].state()]

@@ -1,0 +1,519 @@
+"""kvpack: a slot's KV cache as a sealed, portable artifact (docs/kvpack.md).
+
+A pack is a directory: `manifest.json` (what the rows are: model, geometry, encoding, token
+ids, the blobs and a seal) and `blobs/<sha256>.safetensors`, content-addressed: the full
+layers' rows in chunks of positions (shared by packs with a common prefix), the sliding
+layers' rings in groups of 13, each ring as stored (its rotation is the offset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from .errors import MuseError
+from .geometry import Geometry
+from .kv import KV_DTYPE, SlotCache
+
+FORMAT = "muse-kvpack/1"
+ENCODINGS = {"f16": np.float16, "f32": np.float32}
+CHUNK_ROWS = 256          # positions per plane chunk: the unit a common prefix shares
+RING_GROUP = 13           # sliding layers per ring blob (the book's transfer schedule: 39 = 3 x 13)
+MANIFEST_MAX_BYTES = 64 * 2**20
+HASH_PIECE = 16 * 2**20
+
+
+class PackError(MuseError):
+    """A pack that is not what it claims, or not for this model."""
+
+
+# ---- the model's identity ------------------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(HASH_PIECE):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def fingerprint(path, cache_dir: Path | None = None) -> str:
+    """SHA-256 over the GGUF's bytes (metadata, tensor table, tensor data), cached per file by
+    (real path, size, mtime, inode) in `cache_dir` (default: the user cache folder)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "muse_mlx"
+    index = cache_dir / "fingerprints.json"
+    try:
+        known = json.loads(index.read_text())
+        if isinstance(known, dict) and isinstance(known.get(key), str):
+            return known[key]
+    except (OSError, ValueError):
+        known = {}
+    digest = "sha256:" + file_sha256(path)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        known = known if isinstance(known, dict) else {}
+        known[key] = digest
+        _write_atomic(index, json.dumps(known, sort_keys=True).encode())
+    except OSError:
+        pass   # a read-only cache folder costs a recomputation next time, nothing else
+    return digest
+
+
+# ---- the manifest --------------------------------------------------------------------------
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def seal_of(manifest: dict) -> str:
+    return "sha256:" + hashlib.sha256(_canonical({k: v for k, v in manifest.items() if k != "seal"})).hexdigest()
+
+
+def geometry_fields(g: Geometry) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(g).items()}
+
+
+def payload_bytes(manifest: dict) -> int:
+    """The pack's K/V row bytes: every held row of every layer, at the encoding's width."""
+    g = manifest["geometry"]
+    width = np.dtype(ENCODINGS[manifest["encoding"]]).itemsize
+    row = 2 * g["n_head_kv"] * g["head_dim"] * width
+    rings = sum(len(grp["layers"]) for grp in manifest["ring_groups"]) * manifest["ring_rows_held"]
+    return (len(_full_layers(g)) * manifest["offset"] + rings) * row
+
+
+def _full_layers(g: dict) -> list[int]:
+    return [i for i, swa in enumerate(g["swa_layers"]) if not swa]
+
+
+def _swa_layers(g: dict) -> list[int]:
+    return [i for i, swa in enumerate(g["swa_layers"]) if swa]
+
+
+# ---- save ---------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _put_blob(blobs: Path, tensors: dict[str, np.ndarray]) -> tuple[str, int]:
+    data = st_save(tensors)
+    name = hashlib.sha256(data).hexdigest()
+    target = blobs / f"{name}.safetensors"
+    if not target.exists():
+        _write_atomic(target, data)
+    return name, len(data)
+
+
+def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", chunk_rows: int = CHUNK_ROWS,
+         known_chunks: dict | None = None) -> Path:
+    """Write `cache` (holding exactly `tokens`) as a pack at `out` (a new or empty directory).
+    model_id: {'fingerprint': ..., 'architecture': ...}. The manifest is written last.
+    known_chunks: {(first, rows): (blob name, bytes)} of plane chunks of this same cache already
+    written by an earlier save into `out`'s blobs (the prompt cache's checkpoints); they are not
+    serialized again."""
+    if encoding not in ENCODINGS:
+        raise PackError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+    tokens = [int(t) for t in tokens]
+    if len(tokens) != cache.offset:
+        raise PackError(f"the cache holds {cache.offset} positions but {len(tokens)} token ids were given")
+    if cache.dtype != KV_DTYPE:
+        raise PackError("only an f16 cache (the live contract) can be packed")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(p.name != "blobs" for p in out.iterdir())):
+        raise PackError(f"{out}: exists and is not an empty directory")
+    g, dt = cache.geometry, ENCODINGS[encoding]
+    blobs = out / "blobs"
+    try:
+        blobs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PackError(f"{out}: cannot create the pack ({exc.strerror})") from None
+
+    def arr(a: mx.array) -> np.ndarray:
+        return np.ascontiguousarray(np.array(a).astype(dt))
+
+    full = [i for i in range(g.n_layer) if not g.is_swa(i)]
+    swa = [i for i in range(g.n_layer) if g.is_swa(i)]
+    chunks = []
+    for p0 in range(0, cache.offset, chunk_rows):
+        n = min(chunk_rows, cache.offset - p0)
+        if known_chunks and (p0, n) in known_chunks and encoding == "f16":
+            name, size = known_chunks[(p0, n)]
+            if (blobs / f"{name}.safetensors").exists():
+                chunks.append({"first": p0, "rows": n, "blob": name, "bytes": size})
+                continue
+        tensors = {}
+        for i in full:
+            layer = cache.layers[i]
+            tensors[f"k.{i}"] = arr(layer.keys[:, p0:p0 + n, :])
+            tensors[f"v.{i}"] = arr(layer.values[:, p0:p0 + n, :])
+        name, size = _put_blob(blobs, tensors)
+        chunks.append({"first": p0, "rows": n, "blob": name, "bytes": size})
+    groups = []
+    for a in range(0, len(swa), RING_GROUP):
+        tensors = {}
+        for i in swa[a:a + RING_GROUP]:
+            k, v = cache.layers[i].held_rows()
+            tensors[f"k.{i}"], tensors[f"v.{i}"] = arr(k), arr(v)
+        name, size = _put_blob(blobs, tensors)
+        groups.append({"layers": swa[a:a + RING_GROUP], "blob": name, "bytes": size})
+    manifest = {
+        "format": FORMAT, "model": dict(model_id), "geometry": geometry_fields(g), "context": cache.context,
+        "encoding": encoding, "offset": cache.offset, "tokens": tokens, "chunk_rows": chunk_rows,
+        "ring_rows_held": min(cache.offset, g.ring_rows(cache.context)) if swa else 0,
+        "plane_chunks": chunks, "ring_groups": groups,
+    }
+    manifest["seal"] = seal_of(manifest)
+    _write_atomic(out / "manifest.json", _canonical(manifest))
+    return out
+
+
+# ---- read and verify ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pack:
+    path: Path
+    manifest: dict
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.manifest["tokens"]
+
+    def blob_names(self) -> set[str]:
+        return {c["blob"] for c in self.manifest["plane_chunks"]} | {r["blob"] for r in self.manifest["ring_groups"]}
+
+
+def _need(cond: bool, path, what: str) -> None:
+    if not cond:
+        raise PackError(f"{path}: {what}")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_manifest(path) -> Pack:
+    """The manifest, bounded, parsed and checked for form and seal (no blob is read)."""
+    path = Path(path)
+    mf = path / "manifest.json"
+    try:
+        size = mf.stat().st_size
+    except OSError as exc:
+        raise PackError(f"{path}: not a pack ({mf.name}: {exc.strerror})") from None
+    _need(size <= MANIFEST_MAX_BYTES, path, f"manifest.json is {size:,} bytes, more than {MANIFEST_MAX_BYTES:,}")
+    try:
+        m = json.loads(mf.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise PackError(f"{path}: manifest.json is not JSON ({type(exc).__name__})") from None
+    _need(isinstance(m, dict), path, "manifest.json is not an object")
+    _need(m.get("format") == FORMAT, path, f"format is {m.get('format')!r}, not {FORMAT!r}")
+    _need(m.get("seal") == seal_of(m), path, "the seal does not match the manifest (changed or cut)")
+    model, g = m.get("model"), m.get("geometry")
+    _need(isinstance(model, dict) and isinstance(model.get("fingerprint"), str), path, "model.fingerprint missing")
+    _need(isinstance(g, dict), path, "geometry missing")
+    try:
+        geometry = Geometry(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items()})
+    except (TypeError, ValueError, MuseError) as exc:
+        raise PackError(f"{path}: geometry is not a muse-glimmer geometry ({exc})") from None
+    _need(m.get("encoding") in ENCODINGS, path, f"encoding {m.get('encoding')!r} is not one of {', '.join(ENCODINGS)}")
+    offset, context, chunk_rows = m.get("offset"), m.get("context"), m.get("chunk_rows")
+    _need(_int(context) and 1 <= context <= geometry.context_length, path,
+          f"context {context!r} is not 1..{geometry.context_length}")
+    _need(_int(offset) and 0 <= offset <= context, path, f"offset {offset!r} is not 0..{context}")
+    _need(_int(chunk_rows) and chunk_rows >= 1, path, f"chunk_rows {chunk_rows!r} is not a positive integer")
+    tokens = m.get("tokens")
+    _need(isinstance(tokens, list) and len(tokens) == offset, path,
+          f"the token list does not hold {offset} ids")
+    _need(all(_int(t) and 0 <= t < geometry.n_vocab for t in tokens), path,
+          f"a token id is not an integer in 0..{geometry.n_vocab - 1}")
+    held = min(offset, geometry.ring_rows(context)) if geometry.n_swa else 0
+    _need(m.get("ring_rows_held") == held, path, f"ring_rows_held is {m.get('ring_rows_held')!r}, not {held}")
+    chunks = m.get("plane_chunks")
+    _need(isinstance(chunks, list), path, "plane_chunks missing")
+    at = 0
+    for c in chunks:
+        _need(isinstance(c, dict) and c.get("first") == at and _int(c.get("rows"))
+              and 1 <= c["rows"] <= chunk_rows and _is_name(c.get("blob")), path,
+              f"plane chunk at position {at} is malformed or out of order")
+        at += c["rows"]
+    _need(at == offset if geometry.n_full else not chunks, path, f"the plane chunks cover {at} positions, not {offset}")
+    groups = m.get("ring_groups")
+    _need(isinstance(groups, list), path, "ring_groups missing")
+    seen = []
+    for grp in groups:
+        _need(isinstance(grp, dict) and isinstance(grp.get("layers"), list) and _is_name(grp.get("blob"))
+              and all(_int(i) for i in grp["layers"]), path, "a ring group is malformed")
+        seen += grp["layers"]
+    _need(seen == [i for i in range(geometry.n_layer) if geometry.is_swa(i)], path,
+          "the ring groups do not cover the sliding layers exactly once, in order")
+    return Pack(path, m)
+
+
+def _is_name(v) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(ch in "0123456789abcdef" for ch in v)
+
+
+def _geometry(pack: Pack) -> Geometry:
+    return Geometry(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in pack.manifest["geometry"].items()})
+
+
+def check_for_model(pack: Pack, geometry: Geometry, model_fingerprint: str) -> None:
+    """The pack was made for this model: the same fingerprint and every geometry field."""
+    m = pack.manifest
+    _need(m["model"]["fingerprint"] == model_fingerprint, pack.path,
+          f"made for model {m['model']['fingerprint'][:19]}..., not this one ({model_fingerprint[:19]}...)")
+    mine = geometry_fields(geometry)
+    diff = [k for k in mine if mine[k] != m["geometry"].get(k)] + [k for k in m["geometry"] if k not in mine]
+    _need(not diff, pack.path, f"made for another geometry ({', '.join(sorted(diff))} differ)")
+
+
+def _read_blob(pack: Pack, name: str, want: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """A blob, its hash checked against its name, holding exactly `want` (name -> shape) at the encoding."""
+    f = pack.path / "blobs" / f"{name}.safetensors"
+    try:
+        data = f.read_bytes()
+    except OSError as exc:
+        raise PackError(f"{pack.path}: blob {name[:12]}... is missing ({exc.strerror})") from None
+    _need(hashlib.sha256(data).hexdigest() == name, pack.path, f"blob {name[:12]}... does not hash to its name "
+          f"(changed or cut)")
+    try:
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise PackError(f"{pack.path}: blob {name[:12]}... is not a safetensors file ({exc})") from None
+    dt = np.dtype(ENCODINGS[pack.manifest["encoding"]])
+    _need(set(tensors) == set(want), pack.path, f"blob {name[:12]}... holds {sorted(tensors)[:4]}, not the layers "
+          f"the manifest names")
+    for key, shape in want.items():
+        t = tensors[key]
+        _need(t.dtype == dt and t.shape == shape, pack.path,
+              f"blob {name[:12]}... tensor {key} is {t.dtype} {t.shape}, not {dt} {shape}")
+        if dt != np.float16:
+            _need(bool(np.array_equal(t.astype(np.float16).astype(dt), t, equal_nan=True)), pack.path,
+                  f"blob {name[:12]}... tensor {key} holds values f16 cannot represent exactly")
+    return tensors
+
+
+def _layer_rows(pack: Pack) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Every layer's held rows (K, V) as f16, from verified blobs."""
+    m, g = pack.manifest, _geometry(pack)
+    n_kv, hd = g.n_head_kv, g.head_dim
+    full = [i for i in range(g.n_layer) if not g.is_swa(i)]
+    rows: dict[int, list] = {i: ([], []) for i in full}
+    for c in m["plane_chunks"]:
+        t = _read_blob(pack, c["blob"], {f"{kv}.{i}": (n_kv, c["rows"], hd) for i in full for kv in "kv"})
+        for i in full:
+            rows[i][0].append(t[f"k.{i}"])
+            rows[i][1].append(t[f"v.{i}"])
+    out = {}
+    for i in full:
+        ks, vs = rows[i]
+        out[i] = (np.concatenate(ks, axis=1) if ks else np.zeros((n_kv, 0, hd), np.float16),
+                  np.concatenate(vs, axis=1) if vs else np.zeros((n_kv, 0, hd), np.float16))
+    for grp in m["ring_groups"]:
+        t = _read_blob(pack, grp["blob"], {f"{kv}.{i}": (n_kv, m["ring_rows_held"], hd)
+                                          for i in grp["layers"] for kv in "kv"})
+        for i in grp["layers"]:
+            out[i] = (t[f"k.{i}"], t[f"v.{i}"])
+    return {i: (k.astype(np.float16), v.astype(np.float16)) for i, (k, v) in out.items()}
+
+
+def verify(path, geometry: Geometry | None = None, model_fingerprint: str | None = None) -> Pack:
+    """The whole pack checked: manifest, seal, every blob's hash, names, dtypes and shapes; and,
+    given a model, that it was made for that model."""
+    pack = read_manifest(path)
+    if geometry is not None:
+        check_for_model(pack, geometry, model_fingerprint or "")
+    _layer_rows(pack)
+    return pack
+
+
+def restore(path, geometry: Geometry, model_fingerprint: str, context: int | None = None) -> tuple[SlotCache, list[int]]:
+    """A new SlotCache holding the pack's rows and offset, and the token ids they are of. Every
+    check runs before the cache is allocated."""
+    pack = read_manifest(path)
+    check_for_model(pack, geometry, model_fingerprint)
+    m = pack.manifest
+    context = context or m["context"]
+    _need(m["offset"] <= context <= geometry.context_length, pack.path,
+          f"holds {m['offset']} positions; a context of {context} cannot take them")
+    _need(geometry.ring_rows(context) == geometry.ring_rows(m["context"]), pack.path,
+          f"its rings were {geometry.ring_rows(m['context'])} rows; a context of {context} makes them "
+          f"{geometry.ring_rows(context)}")
+    rows = _layer_rows(pack)
+    cache = SlotCache(geometry, context, KV_DTYPE)
+    for i, layer in enumerate(cache.layers):
+        k, v = rows[i]
+        layer.restore_rows(mx.array(k), mx.array(v), m["offset"])
+    mx.eval(cache.state())
+    return cache, list(m["tokens"])
+
+
+# ---- delta and apply --------------------------------------------------------------------------
+
+
+def delta(path, have: set[str], out) -> dict:
+    """A pack at `out` with the full manifest and only the blobs not in `have`; returns the bytes."""
+    pack = verify(path)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PackError(f"{out}: exists and is not an empty directory")
+    (out / "blobs").mkdir(parents=True, exist_ok=True)
+    shipped = sorted(pack.blob_names() - set(have))
+    for name in shipped:
+        shutil.copyfile(pack.path / "blobs" / f"{name}.safetensors", out / "blobs" / f"{name}.safetensors")
+    _write_atomic(out / "manifest.json", (pack.path / "manifest.json").read_bytes())
+    return {"blobs_shipped": len(shipped), "blobs_in_pack": len(pack.blob_names()),
+            "bytes_shipped": sum((out / "blobs" / f"{n}.safetensors").stat().st_size for n in shipped),
+            "payload_bytes_shipped": _payload_of(pack, set(shipped)), "payload_bytes_full": payload_bytes(pack.manifest)}
+
+
+def _payload_of(pack: Pack, names: set[str]) -> int:
+    """K/V row bytes of the blobs `names` of this pack."""
+    m = pack.manifest
+    g = m["geometry"]
+    row = 2 * g["n_head_kv"] * g["head_dim"] * np.dtype(ENCODINGS[m["encoding"]]).itemsize
+    n_full = len(_full_layers(g))
+    total = sum(c["rows"] * n_full * row for c in m["plane_chunks"] if c["blob"] in names)
+    return total + sum(len(r["layers"]) * m["ring_rows_held"] * row for r in m["ring_groups"] if r["blob"] in names)
+
+
+def apply(delta_path, stores: list, out) -> Pack:
+    """The full pack at `out`: the delta's blobs, the rest from `stores` (packs the receiver holds);
+    verified before it is returned."""
+    d = read_manifest(delta_path)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PackError(f"{out}: exists and is not an empty directory")
+    (out / "blobs").mkdir(parents=True, exist_ok=True)
+    for name in sorted(d.blob_names()):
+        for src in [Path(delta_path)] + [Path(s) for s in stores]:
+            f = src / "blobs" / f"{name}.safetensors"
+            if f.exists():
+                shutil.copyfile(f, out / "blobs" / f"{name}.safetensors")
+                break
+        else:
+            raise PackError(f"{delta_path}: blob {name[:12]}... is in neither the delta nor the stores given")
+    _write_atomic(out / "manifest.json", (Path(delta_path) / "manifest.json").read_bytes())
+    return verify(out)
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+def _have(paths: list[str]) -> set[str]:
+    """Blob names a receiver holds: from packs (their blobs folder) or text files of names."""
+    names: set[str] = set()
+    for p in map(Path, paths):
+        if (p / "blobs").is_dir():
+            names |= {f.name.removesuffix(".safetensors") for f in (p / "blobs").iterdir()}
+        elif p.is_file():
+            try:
+                listed = p.read_text(encoding="utf-8").split()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise PackError(f"{p}: not a list of blob names ({exc})") from None
+            bad = [n for n in listed if not _is_name(n)]
+            if bad:
+                raise PackError(f"{p}: {bad[0][:20]!r} is not a blob name (64 hex digits)")
+            names |= set(listed)
+        else:
+            raise PackError(f"{p}: neither a pack nor a file of blob names")
+    return names
+
+
+def _command(argv=None) -> int:
+    from .cli import Parser
+
+    p = Parser(prog="python -m muse_mlx.kvpack", description="Inspect, verify, and ship KV packs (docs/kvpack.md).")
+    sub = p.add_subparsers(dest="op", required=True)
+    s = sub.add_parser("inspect", help="what a pack holds (the manifest, checked for form and seal)")
+    s.add_argument("pack")
+    s = sub.add_parser("verify", help="check every blob; with --model, that the pack was made for it")
+    s.add_argument("pack")
+    s.add_argument("--model", help="the GGUF the pack must have been made for")
+    s = sub.add_parser("delta", help="a pack of only the blobs a receiver lacks")
+    s.add_argument("pack")
+    s.add_argument("--have", action="append", default=[], required=True,
+                   help="what the receiver holds: a pack, or a file of blob names (repeatable)")
+    s.add_argument("-o", "--out", required=True)
+    s = sub.add_parser("apply", help="complete a delta from the packs a receiver holds, and verify it")
+    s.add_argument("delta")
+    s.add_argument("--store", action="append", default=[], help="a pack the receiver holds (repeatable)")
+    s.add_argument("-o", "--out", required=True)
+    args = p.parse_args(argv)
+    for name in ("out",):
+        out = getattr(args, name, None)
+        if out is not None and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+            raise PackError(f"{out}: exists and is not an empty directory")
+    if args.op == "inspect":
+        pack = read_manifest(args.pack)
+        m = pack.manifest
+        g = m["geometry"]
+        blobs = pack.path / "blobs"
+        present = sum(1 for n in pack.blob_names() if (blobs / f"{n}.safetensors").exists())
+        print(f"{pack.path}: {m['format']}, sealed {m['seal'][:19]}...")
+        print(f"model {m['model']['fingerprint']} ({m['model'].get('architecture', '?')}); {g['n_layer']} layers, "
+              f"window {g['sliding_window']}, {g['n_head_kv']} KV heads x {g['head_dim']}")
+        print(f"{m['offset']:,} tokens of a {m['context']:,}-position slot, encoding {m['encoding']}; payload "
+              f"{payload_bytes(m):,} B in {len(m['plane_chunks'])} plane chunks and {len(m['ring_groups'])} ring "
+              f"groups; {present} of {len(pack.blob_names())} blobs present")
+        return 0
+    if args.op == "verify":
+        if args.model:
+            from .artifact import open_artifact
+
+            g = open_artifact(args.model).geometry
+            pack = verify(args.pack, g, fingerprint(args.model))
+        else:
+            pack = verify(args.pack)
+        print(f"ok: {pack.path}: {pack.manifest['offset']:,} tokens, {len(pack.blob_names())} blobs verified"
+              + (f", made for {args.model}" if args.model else ""))
+        return 0
+    if args.op == "delta":
+        stats = delta(args.pack, _have(args.have), args.out)
+        share = stats["payload_bytes_shipped"] / stats["payload_bytes_full"] if stats["payload_bytes_full"] else 0
+        print(f"{args.out}: {stats['blobs_shipped']} of {stats['blobs_in_pack']} blobs, payload "
+              f"{stats['payload_bytes_shipped']:,} of {stats['payload_bytes_full']:,} B ({share:.4%}); "
+              f"{stats['bytes_shipped']:,} B on disk")
+        return 0
+    pack = apply(args.delta, args.store, args.out)
+    print(f"ok: {pack.path}: the full pack, {len(pack.blob_names())} blobs verified")
+    return 0
+
+
+def main(argv=None) -> int:
+    from . import cli
+
+    return cli.run(_command, argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
