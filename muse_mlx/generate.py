@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true",
                    help="use the MLX-ops reference path even on a GPU (the exactness path)")
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--prompt-cache", metavar="DIR",
+    kv.add_argument("--prompt-cache", metavar="DIR", nargs="?", const="",
                     help="reuse the longest stored prefix of the prompt and store this prompt's checkpoints "
-                         "(a folder of kvpacks; warm output equals cold output bit for bit)")
+                         "(a folder of kvpacks, default $XDG_CACHE_HOME/muse_mlx/prompts; warm output equals cold "
+                         "output bit for bit)")
     kv.add_argument("--load-kv", metavar="PACK", help="start from this kvpack (its tokens must begin the prompt)")
     p.add_argument("--save-kv", metavar="PACK",
                    help="write the prompt's KV as a kvpack, at the last multiple of 512 positions before the "
@@ -204,7 +205,7 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
 
     g = model.geometry
     model_id = None
-    if args.load_kv or args.save_kv or args.prompt_cache:
+    if args.load_kv or args.save_kv or args.prompt_cache is not None:
         model_id = {"fingerprint": kvpack.fingerprint(model_path), "architecture": "muse-glimmer"}
     if args.load_kv:
         t = time.perf_counter()
@@ -216,8 +217,11 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
               f"{time.perf_counter() - t:.3f} s", file=sys.stderr)
     else:
         cache, tokens = None, []
-    if args.prompt_cache:
-        pc = PromptCache(args.prompt_cache, model_id, g, budget_bytes=args.prompt_cache_bytes)
+    if args.prompt_cache is not None:
+        from .tools.fixtures import cache_dir
+
+        pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g,
+                         budget_bytes=args.prompt_cache_bytes)
         cache, reused, seconds = pc.lookup(prompt_ids, context)
         print(f"prompt cache: reused {reused} of {len(prompt_ids)} prompt tokens"
               + (f" (restore {seconds:.3f} s)" if reused else ""), file=sys.stderr)

@@ -36,8 +36,11 @@ class PromptCache:
         self.root, self.model_id, self.geometry = Path(root), dict(model_id), geometry
         self.budget, self.every, self.chunk = budget_bytes, every, chunk
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
-        (self.root / "entries").mkdir(parents=True, exist_ok=True)
-        (self.root / "blobs").mkdir(exist_ok=True)
+        try:
+            (self.root / "entries").mkdir(parents=True, exist_ok=True)
+            (self.root / "blobs").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise PackError(f"--prompt-cache {self.root}: cannot use it as a folder ({exc.strerror})") from None
 
     # ---- lookup ----
 

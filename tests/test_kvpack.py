@@ -365,3 +365,14 @@ def test_kvpack_cli(model, model_id, f32_fixture, tmp_path):
                            (("frobnicate",), "invalid choice")]:
         r = kvp(*args)
         assert r.returncode == 2 and fragment in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_prompt_cache_that_is_not_a_folder_is_one_line(f32_fixture, tmp_path):
+    from test_generate import run_cli
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    r = run_cli("--model", str(f32_fixture), "-m", "2", "--prompt-cache", str(not_a_dir / "pc"))
+    assert r.returncode == 2 and "cannot use it as a folder" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    r = run_cli("--model", str(f32_fixture), "-m", "2", "--prompt-cache")   # the default folder
+    assert r.returncode == 0 and "prompt cache: reused 0 of" in r.stderr, r.stderr
