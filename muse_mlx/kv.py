@@ -226,6 +226,11 @@ class SlotCache:
     def state(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.state()]
 
+    def reset(self) -> None:
+        """Empty: no position held (the storage is kept; rows past the offset are never read)."""
+        for layer in self.layers:
+            layer.offset = 0
+
     def fill_random(self, depth: int, seed: int = 0) -> None:
         """Synthetic content for benchmarks: every layer's storage random f16 rows (timing depends on
         the sizes, not the values), `depth` positions as if held. Not a cache of any token sequence."""

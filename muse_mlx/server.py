@@ -1,0 +1,437 @@
+"""`python -m muse_mlx.server`: an OpenAI-compatible HTTP server over 1..4 slots.
+
+    python -m muse_mlx.server --model X.gguf --parallel 4 --ctx-size 32768 [--host 127.0.0.1 --port 8080]
+                              [--api-key KEY] [--queue 16] [--prompt-cache [DIR]] [--slot-save-path DIR]
+
+Routes: POST /v1/completions and /v1/chat/completions (streaming over SSE or not), GET /v1/models,
+GET /health, GET /slots, POST /slots/{id}?action=save|restore (body {"filename": NAME}, a kvpack
+under --slot-save-path). Built on Starlette + uvicorn + sse-starlette; the engine side is
+muse_mlx/slots.py. Errors are OpenAI-style bodies: 400 for a request that is wrong (naming the
+field), 401 without the API key, 404, 503 with Retry-After when the queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from . import cli
+from .cli import Parser
+from .errors import MuseError
+from .sampling import SamplerSettings
+from .slots import QueueFull, Request, Scheduler
+
+MAX_STOP_STRINGS, MAX_TOP_LOGPROBS = 16, 20
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _reject_constant(name):
+    raise BadRequest(f"{name} is not a JSON number")
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise BadRequest("the body is not UTF-8") from None
+    except ValueError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    return data
+
+
+def _number(body, name, default, lo=None, hi=None, lo_open=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadRequest(f"'{name}' must be a finite number", name)
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        raise BadRequest(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _integer(body, name, default, lo=None, hi=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"'{name}' must be an integer", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+def sampling_of(body: dict) -> SamplerSettings:
+    return SamplerSettings(temp=_number(body, "temperature", 1.0, 0.0, 100.0),
+                           top_k=_integer(body, "top_k", 0, 0, 1 << 30),
+                           top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                           min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+                           seed=_integer(body, "seed", 0))
+
+
+def stops_of(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    return stops
+
+
+class App:
+    """The HTTP side: validation, the request's event queue, the OpenAI response shapes."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None, model_id: dict,
+                 slot_save_path: Path | None):
+        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
+
+    # ---- routes ----
+
+    def starlette(self):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.middleware import Middleware
+        from starlette.routing import Route
+
+        routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/slots", self.slots, methods=["GET"]), Route("/slots/{id}", self.slot_action, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"])]
+
+        async def http_error(request, exc):
+            return self.error(exc.detail, status=exc.status_code, kind="not_found_error" if exc.status_code == 404
+                              else "invalid_request_error")
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                         middleware=[Middleware(_AuthMiddleware, app_state=self)])
+
+    @staticmethod
+    def error(message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
+              headers: dict | None = None):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                            status_code=status, headers=headers)
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        states = [s["state"] for s in self.scheduler.describe()]
+        return JSONResponse({"status": "ok", "slots_idle": states.count("idle"),
+                             "slots_processing": len(states) - states.count("idle")})
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                         "created": 0, "owned_by": "muse_mlx"}]})
+
+    async def slots(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(self.scheduler.describe())
+
+    async def slot_action(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            index = int(request.path_params["id"])
+            if not 0 <= index < len(self.scheduler.slots):
+                raise ValueError
+        except ValueError:
+            return self.error(f"no slot {request.path_params['id']!r}", 404, "id", "not_found_error")
+        action = request.query_params.get("action")
+        if action not in ("save", "restore"):
+            return self.error("action must be save or restore", 400, "action")
+        if self.slot_save_path is None:
+            return self.error("slot save/restore needs the server's --slot-save-path", 400, "action")
+        try:
+            body = parse_json(await request.body())
+            name = body.get("filename")
+            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+                raise BadRequest("'filename' must be a plain file name", "filename")
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        path = self.slot_save_path / name
+        loop = asyncio.get_running_loop()
+        try:
+            if action == "save":
+                result = await loop.run_in_executor(None, self.scheduler.save_slot, index, path, self.model_id)
+            else:
+                result = await loop.run_in_executor(None, self.scheduler.restore_slot, index, path, self.model_id)
+        except MuseError as exc:
+            return self.error(str(exc), 400, "filename")
+        return JSONResponse({**result, "filename": name})
+
+    # ---- completions ----
+
+    async def completions(self, request):
+        try:
+            body = parse_json(await request.body())
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in prompt):
+                n_vocab = self.scheduler.model.geometry.n_vocab
+                if not all(0 <= t < n_vocab for t in prompt):
+                    raise BadRequest(f"'prompt' token ids must be in 0..{n_vocab - 1}", "prompt")
+                ids = list(prompt)
+            else:
+                raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+            logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+            return await self._serve(request, body, ids, logprobs, chat=False)
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+
+    async def chat(self, request):
+        try:
+            body = parse_json(await request.body())
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise BadRequest("'messages' must be a list of {role, content} objects with string values", "messages")
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                                           for m in messages])
+            except MuseError as exc:
+                raise BadRequest(f"the chat template failed: {exc}", "messages") from None
+            ids = self.tokenizer.encode(text, add_bos=False)
+            want = body.get("logprobs", False)
+            if not isinstance(want, bool):
+                raise BadRequest("'logprobs' must be a boolean", "logprobs")
+            top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+            if top and not want:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return await self._serve(request, body, ids, top if want else None, chat=True)
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+
+    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool):
+        from starlette.responses import JSONResponse
+
+        context = self.scheduler.context
+        default_max = context - len(ids)
+        max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
+                              else "max_tokens", min(default_max, 4096) if chat else 16, 0, 1 << 30)
+        sampling = sampling_of(body)
+        stops = stops_of(body)
+        if _integer(body, "n", 1, 1, 1) != 1:
+            raise BadRequest("only n = 1 is served", "n")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be a boolean", "stream")
+        if not ids:
+            raise BadRequest("the prompt is empty", "prompt" if not chat else "messages")
+        if len(ids) > context:
+            raise BadRequest(f"the prompt is {len(ids):,} tokens, longer than the slot's context of {context:,} "
+                             f"positions", "prompt" if not chat else "messages")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        req = Request(ids, max_tokens, sampling, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                      stop_strings=stops, logprobs=logprobs)
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as exc:
+            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if stream:
+            from sse_starlette.sse import EventSourceResponse
+
+            return EventSourceResponse(self._stream(req, events, rid, created, chat, body),
+                                       ping=15, send_timeout=30)
+        text, lps, finish, usage = [], [], None, None
+        try:
+            while finish is None:
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        req.cancel()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if "error" in ev:
+                    return self.error(ev["error"], 500, None, "server_error")
+                if "token" in ev:
+                    lps.append(ev)
+                text.append(ev.get("text", ""))
+                finish, usage = ev.get("finish_reason"), ev.get("usage", usage)
+        finally:
+            if finish is None:
+                req.cancel()
+        content = "".join(text)
+        choice = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+            choice["logprobs"] = {"content": [self._chat_lp(e) for e in lps]} if logprobs is not None else None
+            obj = "chat.completion"
+        else:
+            choice["text"] = content
+            choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                             "choices": [choice], "usage": usage})
+
+    async def _stream(self, req: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, body: dict):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+
+        def chunk(delta_text=None, finish=None, ev=None, role=False):
+            if chat:
+                delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
+                c = {"index": 0, "delta": delta, "finish_reason": finish}
+                if ev is not None and req.logprobs is not None:
+                    c["logprobs"] = {"content": [self._chat_lp(ev)]}
+            else:
+                c = {"index": 0, "text": delta_text or "", "finish_reason": finish}
+                if ev is not None and req.logprobs is not None:
+                    c["logprobs"] = self._completion_lps([ev])
+            return {"data": json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                        "choices": [c]})}
+        finished = False
+        try:
+            if chat:
+                yield chunk(role=True)
+            while True:
+                ev = await events.get()
+                if "error" in ev:
+                    yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
+                                                         "param": None, "code": None}})}
+                    finished = True
+                    break
+                if "finish_reason" in ev:
+                    yield chunk(finish=ev["finish_reason"])
+                    if include_usage:
+                        yield {"data": json.dumps({"id": rid, "object": obj, "created": created,
+                                                   "model": self.model_name, "choices": [], "usage": ev["usage"]})}
+                    finished = True
+                    break
+                if ev.get("text") or "token" in ev:
+                    yield chunk(ev.get("text", ""), ev=ev if "token" in ev else None)
+            yield {"data": "[DONE]"}
+        finally:
+            if not finished:
+                req.cancel()   # the client went away: the slot is freed at the next step
+
+    def _token_text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _chat_lp(self, ev: dict) -> dict:
+        text, raw = self._token_text(ev["token"])
+        top = [{"token": self._token_text(t)[0], "logprob": lp, "bytes": self._token_text(t)[1]}
+               for t, lp in ev.get("top_logprobs", [])]
+        return {"token": text, "logprob": ev["logprob"], "bytes": raw, "top_logprobs": top}
+
+    def _completion_lps(self, evs: list[dict]) -> dict:
+        tokens = [self._token_text(e["token"])[0] for e in evs]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        def top(e):   # keyed by text, as OpenAI's format is: tokens of one text keep the most likely
+            out: dict[str, float] = {}
+            for t, lp in e.get("top_logprobs", []):
+                out.setdefault(self._token_text(t)[0], lp)
+            return out
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in evs],
+                "top_logprobs": [top(e) for e in evs], "text_offset": offsets}
+
+
+class _AuthMiddleware:
+    """Bearer-token check on every route but /health (when the server has an API key)."""
+
+    def __init__(self, app, app_state: App):
+        self.app, self.state = app, app_state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.api_key is not None and scope["path"] != "/health":
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.state.api_key}":
+                response = App.error("invalid or missing API key (Authorization: Bearer ...)", 401, None,
+                                     "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build(args) -> tuple[App, Scheduler]:
+    from . import kvpack
+    from .model import load
+    from .prompt_cache import PromptCache
+    from .tokenizer import MuseTokenizer
+    from .tools.fixtures import cache_dir, default_model_path
+
+    model_path = args.model if args.model is not None else default_model_path()
+    model = load(model_path, backend="reference" if args.reference else "auto")
+    g = model.geometry
+    context = min(args.ctx_size or g.context_length, g.context_length)
+    tokenizer = MuseTokenizer(model.artifact.vocabulary)
+    model_id = {"fingerprint": kvpack.fingerprint(model_path), "architecture": "muse-glimmer"}
+    pc = None
+    if args.prompt_cache is not None:
+        pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g)
+    scheduler = Scheduler(model, tokenizer, args.parallel, context, queue_max=args.queue, prompt_cache=pc)
+    save_path = Path(args.slot_save_path) if args.slot_save_path else None
+    if save_path is not None and not save_path.is_dir():
+        raise MuseError(f"--slot-save-path {save_path}: not a folder")
+    app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path)
+    return app, scheduler
+
+
+def _command(argv=None) -> int:
+    p = Parser(prog="python -m muse_mlx.server", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a muse-glimmer GGUF (default: the embedded fixture)")
+    p.add_argument("--parallel", "-np", type=int, default=1, help="slots, 1..4 (default 1)")
+    p.add_argument("--ctx-size", "-c", type=int, help="positions per slot (default and most: the model's limit)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
+    p.add_argument("--prompt-cache", nargs="?", const="", metavar="DIR", help="reuse stored prompt prefixes (kvpack)")
+    p.add_argument("--slot-save-path", metavar="DIR", help="folder for POST /slots/{id}?action=save|restore")
+    p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
+    args = p.parse_args(argv)
+    if not 1 <= args.parallel <= 4:
+        raise MuseError(f"--parallel must be 1..4, got {args.parallel}")
+    if args.ctx_size is not None and args.ctx_size < 1:
+        raise MuseError(f"--ctx-size must be >= 1, got {args.ctx_size}")
+    if not 0 <= args.port <= 65535:
+        raise MuseError(f"--port must be 0..65535, got {args.port}")
+    if args.queue < 0:
+        raise MuseError(f"--queue must be >= 0, got {args.queue}")
+    app, scheduler = build(args)
+    import uvicorn
+
+    scheduler.thread.start()
+    print(f"muse_mlx server: {app.model_name}, {len(scheduler.slots)} slot(s) x {scheduler.context:,} positions, "
+          f"KV {scheduler.kv_bytes:,} bytes held; http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app.starlette(), host=args.host, port=args.port, log_level="warning")
+    finally:
+        scheduler.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""Slots: up to N sequences decoded together by one forward (the server's engine side).
+
+One thread owns the model and every MLX call (`Scheduler.run`). Each loop:
+
+1. admits waiting requests into idle slots (a request's prompt restores the deepest prompt-cache
+   checkpoint it shares, when a prompt cache is given);
+2. feeds each prefilling slot one chunk (ending at a multiple of the prefill chunk), so the
+   slots already decoding keep producing while a long prompt is read;
+3. takes one decode step for every decoding slot at once: the next token of each from its
+   logits (its own sampler, seed and stop state), then one forward over the B tokens
+   (Model.__call__ with B caches: each weight read once for all of them).
+
+Requests hear back through `emit` (called from this thread; the HTTP side makes it thread-safe):
+`{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
+`{"finish_reason": "stop" | "length", "usage": {...}}`, or `{"error": message}`. A request
+cancelled by its client (`cancel()`) frees its slot at the next loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MuseError, NonFiniteError
+from .geometry import PREFILL_CHUNK
+from .kv import SlotCache
+from .sampling import Sampler, SamplerSettings
+
+
+class QueueFull(MuseError):
+    """More requests waiting than the queue holds."""
+
+
+class StopMatcher:
+    """Stop strings matched across token boundaries: text is released only up to where no stop
+    string could still begin, and never past a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            at = min(i for i, _ in hits)
+            out, self.pending = self.pending[:at], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplerSettings
+    emit: Callable[[dict], None]
+    stop_strings: list[str] = field(default_factory=list)
+    logprobs: int | None = None          # None: off; k >= 0: the chosen token's and the top k
+    id: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Slot:
+    def __init__(self, index: int, cache: SlotCache):
+        self.index, self.cache = index, cache
+        self.request: Request | None = None
+        self.state = "idle"
+        self.pending: list[int] = []
+        self.logits: mx.array | None = None   # the next token's, while decoding
+        self.generated = 0
+        self.sampler: Sampler | None = None
+        self.streamer = None
+        self.stop: StopMatcher | None = None
+        self.tokens: list[int] = []           # what the cache holds
+
+    def describe(self) -> dict:
+        return {"id": self.index, "state": self.state, "n_ctx": self.cache.context, "n_past": self.cache.offset,
+                "request": self.request.id if self.request else None, "generated": self.generated}
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, n_slots: int, context: int, queue_max: int = 16, prompt_cache=None,
+                 chunk: int = PREFILL_CHUNK):
+        self.model, self.tokenizer, self.context, self.chunk = model, tokenizer, context, chunk
+        self.slots = [Slot(i, model.make_cache(context)) for i in range(n_slots)]
+        mx.eval([s.cache.state() for s in self.slots])
+        self.kv_bytes = sum(s.cache.nbytes for s in self.slots)
+        self.queue_max, self.prompt_cache = queue_max, prompt_cache
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.controls: collections.deque = collections.deque()
+        self.wake = threading.Condition()
+        self.running = True
+        self.ids = itertools.count(1)
+        self.thread = threading.Thread(target=self.run, name="muse-slots", daemon=True)
+
+    # ---- the HTTP side's calls (any thread) ----
+
+    def submit(self, request: Request) -> None:
+        with self.wake:
+            idle = sum(1 for s in self.slots if s.state == "idle")
+            if len(self.waiting) >= self.queue_max + idle:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting for {len(self.slots)} busy slots")
+            request.id = request.id or f"req-{next(self.ids)}"
+            self.waiting.append(request)
+            self.wake.notify()
+
+    def control(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the scheduler's thread between steps; its result or exception is returned or raised."""
+        done, box = threading.Event(), {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as exc:   # handed to the caller's thread
+                box["error"] = exc
+            done.set()
+        with self.wake:
+            self.controls.append(call)
+            self.wake.notify()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def describe(self) -> list[dict]:
+        return [s.describe() for s in self.slots]
+
+    def stop(self) -> None:
+        with self.wake:
+            self.running = False
+            self.wake.notify()
+
+    # ---- the scheduler's thread ----
+
+    def run(self) -> None:
+        while True:
+            with self.wake:
+                while self.running and not self.controls and not (self.waiting and self._idle()) and \
+                        not any(s.state != "idle" for s in self.slots):
+                    self.wake.wait(timeout=0.5)
+                if not self.running:
+                    return
+                controls, self.controls = list(self.controls), collections.deque()
+            for call in controls:
+                call()
+            try:
+                self.step()
+            except Exception as exc:   # an engine fault ends the requests it touched, never the loop
+                for slot in self.slots:
+                    if slot.request is not None:
+                        self._finish(slot, error=f"engine error: {type(exc).__name__}: {exc}")
+
+    def _idle(self) -> Slot | None:
+        return next((s for s in self.slots if s.state == "idle"), None)
+
+    def step(self) -> None:
+        for slot in self.slots:   # a client that went away frees its slot
+            if slot.request is not None and slot.request.cancelled.is_set():
+                self._release(slot)
+        while self.waiting and self._idle():
+            with self.wake:
+                request = self.waiting.popleft() if self.waiting else None
+            if request is not None and not request.cancelled.is_set():
+                self._admit(self._idle(), request)
+        for slot in [s for s in self.slots if s.state == "prefill"]:
+            self._prefill_chunk(slot)
+        decoding = [s for s in self.slots if s.state == "decode"]
+        if decoding:
+            self._decode(decoding)
+
+    def _admit(self, slot: Slot, request: Request) -> None:
+        slot.request, slot.generated = request, 0
+        slot.sampler = Sampler(request.sampling)
+        slot.streamer = self.tokenizer.streamer()
+        slot.stop = StopMatcher(request.stop_strings)
+        start = 0
+        if self.prompt_cache is not None:
+            cache, start, _ = self.prompt_cache.lookup(request.prompt_ids, self.context)
+            if cache is not None:
+                slot.cache = cache
+        if start == 0:
+            slot.cache.reset()
+        slot.tokens = list(request.prompt_ids[:start])
+        slot.pending = list(request.prompt_ids[start:])
+        slot.state = "prefill"
+
+    def _prefill_chunk(self, slot: Slot) -> None:
+        n = self.chunk - slot.cache.offset % self.chunk
+        piece, slot.pending = slot.pending[:n], slot.pending[n:]
+        logits = self.model.prefill(piece, slot.cache, self.chunk)
+        slot.tokens += piece
+        offset, n_prompt = slot.cache.offset, len(slot.request.prompt_ids)
+        if self.prompt_cache is not None and slot.pending and offset in self.prompt_cache.checkpoints(offset - 1,
+                                                                                                      n_prompt):
+            self.prompt_cache.store(slot.cache, list(slot.tokens), {})
+        if not slot.pending:
+            slot.logits, slot.state = logits[-1], "decode"
+            if slot.request.max_tokens == 0:
+                self._finish(slot, "length")
+
+    def _decode(self, slots: list[Slot]) -> None:
+        picks = []
+        for slot in slots:
+            token = slot.sampler.token(slot.logits)
+            finite = mx.all(mx.isfinite(slot.logits))
+            lp = None
+            if slot.request.logprobs is not None:
+                lp = slot.logits - mx.logsumexp(slot.logits, keepdims=True)
+            picks.append((token, finite, lp))
+        mx.eval([x for p in picks for x in p if x is not None])
+        feed = []
+        for slot, (token, finite, lp) in zip(slots, picks):
+            if not bool(finite.item()):
+                self._finish(slot, error=str(NonFiniteError(slot.cache.offset - 1)))
+                continue
+            t = int(token.item())
+            if t in self.tokenizer.stop_ids:
+                self._finish(slot, "stop")
+                continue
+            slot.generated += 1
+            event = {"token": t}
+            if lp is not None:
+                lpn = np.array(lp, dtype=np.float64)
+                event["logprob"] = float(lpn[t])
+                k = slot.request.logprobs
+                if k:
+                    top = np.argsort(-lpn)[:k]
+                    event["top_logprobs"] = [(int(i), float(lpn[i])) for i in top]
+            text, stopped = slot.stop.push(slot.streamer.push(t))
+            event["text"] = text
+            slot.request.emit(event)
+            if stopped:
+                self._finish(slot, "stop", flush=False)
+            elif slot.generated >= slot.request.max_tokens or slot.cache.room == 0:
+                self._finish(slot, "length")
+            else:
+                feed.append((slot, t))
+        if feed:
+            tokens = mx.array([[t] for _, t in feed])
+            logits = self.model(tokens, [s.cache for s, _ in feed])
+            for b, (slot, t) in enumerate(feed):
+                slot.tokens.append(t)
+                slot.logits = logits[b, 0]
+
+    def _finish(self, slot: Slot, reason: str | None = None, error: str | None = None, flush: bool = True) -> None:
+        request = slot.request
+        if error is not None:
+            request.emit({"error": error})
+        else:
+            if flush:   # the streamer's partial character and the text held back for a stop string
+                tail, stopped = slot.stop.push(slot.streamer.flush())
+                tail += "" if stopped else slot.stop.flush()
+                if tail:
+                    request.emit({"text": tail})
+            request.emit({"finish_reason": reason, "usage": {
+                "prompt_tokens": len(request.prompt_ids), "completion_tokens": slot.generated,
+                "total_tokens": len(request.prompt_ids) + slot.generated}})
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        slot.request, slot.state, slot.pending, slot.logits = None, "idle", [], None
+        slot.sampler = slot.streamer = slot.stop = None
+
+    # ---- slot save / restore (llama-server's /slots/{id}?action=...) ----
+
+    def save_slot(self, index: int, path, model_id: dict) -> dict:
+        from . import kvpack
+
+        def save():
+            slot = self.slots[index]
+            if slot.state != "idle":
+                raise MuseError(f"slot {index} is busy")
+            t = time.perf_counter()
+            kvpack.save(slot.cache, slot.tokens, model_id, path)
+            return {"id_slot": index, "n_saved": len(slot.tokens), "ms": (time.perf_counter() - t) * 1e3}
+        return self.control(save)
+
+    def restore_slot(self, index: int, path, model_id: dict) -> dict:
+        from . import kvpack
+
+        def restore():
+            slot = self.slots[index]
+            if slot.state != "idle":
+                raise MuseError(f"slot {index} is busy")
+            t = time.perf_counter()
+            cache, tokens = kvpack.restore(path, self.model.geometry, model_id["fingerprint"], self.context)
+            slot.cache, slot.tokens = cache, tokens
+            return {"id_slot": index, "n_restored": len(tokens), "ms": (time.perf_counter() - t) * 1e3}
+        return self.control(restore)
