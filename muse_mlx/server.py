@@ -109,6 +109,9 @@ class App:
 
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
                   Route("/slots", self.slots, methods=["GET"]), Route("/slots/{id}", self.slot_action, methods=["POST"]),
+                  Route("/kv/blobs", self.kv_blobs, methods=["GET"]),
+                  Route("/kv/blobs/{name}", self.kv_put_blob, methods=["PUT"]),
+                  Route("/kv/packs/{filename}", self.kv_put_pack, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"])]
 
@@ -154,27 +157,138 @@ class App:
         except ValueError:
             return self.error(f"no slot {request.path_params['id']!r}", 404, "id", "not_found_error")
         action = request.query_params.get("action")
-        if action not in ("save", "restore"):
-            return self.error("action must be save or restore", 400, "action")
+        if action not in ("save", "restore", "handoff"):
+            return self.error("action must be save, restore or handoff", 400, "action")
         if self.slot_save_path is None:
             return self.error("slot save/restore needs the server's --slot-save-path", 400, "action")
         try:
             body = parse_json(await request.body())
-            name = body.get("filename")
-            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-                raise BadRequest("'filename' must be a plain file name", "filename")
+            name = _plain_name(body.get("filename"))
+            if action == "handoff":
+                to = body.get("to")
+                if not isinstance(to, str) or not to.startswith(("http://", "https://")):
+                    raise BadRequest("'to' must be the receiving server's http(s) URL", "to")
+                key, to_slot = body.get("api_key"), _integer(body, "slot", 0, 0, 3)
+                if key is not None and not isinstance(key, str):
+                    raise BadRequest("'api_key' must be a string", "api_key")
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         path = self.slot_save_path / name
         loop = asyncio.get_running_loop()
         try:
-            if action == "save":
+            if action == "handoff":
+                result = await loop.run_in_executor(None, self._handoff, index, name, to, key, to_slot)
+            elif action == "save":
                 result = await loop.run_in_executor(None, self.scheduler.save_slot, index, path, self.model_id)
             else:
                 result = await loop.run_in_executor(None, self.scheduler.restore_slot, index, path, self.model_id)
         except MuseError as exc:
             return self.error(str(exc), 400, "filename")
         return JSONResponse({**result, "filename": name})
+
+    # ---- KV handoff: what a receiver holds, blobs and packs sent to it ----
+
+    def _held_blobs(self) -> set[str]:
+        root = self.slot_save_path
+        return {f.name.removesuffix(".safetensors") for f in root.glob("*/blobs/*.safetensors")} | \
+            {f.name.removesuffix(".safetensors") for f in root.glob(".incoming/blobs/*.safetensors")}
+
+    async def kv_blobs(self, request):
+        from starlette.responses import JSONResponse
+
+        if self.slot_save_path is None:
+            return self.error("KV handoff needs the server's --slot-save-path", 400)
+        return JSONResponse({"blobs": sorted(self._held_blobs())})
+
+    async def kv_put_blob(self, request):
+        import hashlib
+
+        from starlette.responses import JSONResponse
+
+        from .kvpack import _is_name, _write_atomic
+
+        if self.slot_save_path is None:
+            return self.error("KV handoff needs the server's --slot-save-path", 400)
+        name = request.path_params["name"]
+        if not _is_name(name):
+            return self.error("a blob's name is its SHA-256 (64 hex digits)", 400, "name")
+        data = await request.body()
+        if hashlib.sha256(data).hexdigest() != name:
+            return self.error("the blob's bytes do not hash to its name", 400, "name")
+        incoming = self.slot_save_path / ".incoming" / "blobs"
+        incoming.mkdir(parents=True, exist_ok=True)
+        _write_atomic(incoming / f"{name}.safetensors", data)
+        return JSONResponse({"stored": name, "bytes": len(data)})
+
+    async def kv_put_pack(self, request):
+        import shutil
+
+        from starlette.responses import JSONResponse
+
+        from . import kvpack
+
+        if self.slot_save_path is None:
+            return self.error("KV handoff needs the server's --slot-save-path", 400)
+        try:
+            name = _plain_name(request.path_params["filename"])
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        out = self.slot_save_path / name
+        if out.exists():
+            return self.error(f"a pack named {name!r} exists", 400, "filename")
+        data = await request.body()
+        if len(data) > kvpack.MANIFEST_MAX_BYTES:
+            return self.error("the manifest is too large", 400)
+        try:
+            (out / "blobs").mkdir(parents=True)
+            (out / "manifest.json").write_bytes(data)
+            pack = kvpack.read_manifest(out)
+            sources = [self.slot_save_path / ".incoming"] + [p for p in self.slot_save_path.iterdir()
+                                                            if p.is_dir() and p != out and not p.name.startswith(".")]
+            for blob in pack.blob_names():
+                src = next((d / "blobs" / f"{blob}.safetensors" for d in sources
+                            if (d / "blobs" / f"{blob}.safetensors").exists()), None)
+                if src is None:
+                    raise kvpack.PackError(f"blob {blob[:12]}... was neither sent nor held")
+                shutil.copyfile(src, out / "blobs" / f"{blob}.safetensors")
+            kvpack.check_for_model(pack, self.scheduler.model.geometry, self.model_id["fingerprint"])
+            kvpack.verify(out)
+        except MuseError as exc:
+            shutil.rmtree(out, ignore_errors=True)
+            return self.error(str(exc), 400, "manifest")
+        return JSONResponse({"filename": name, "n_tokens": pack.manifest["offset"]})
+
+    def _handoff(self, index: int, name: str, to: str, key: str | None, to_slot: int) -> dict:
+        """Save slot `index` as a pack, send the receiver the blobs it lacks and the manifest, and
+        have it restore the pack into its slot `to_slot` (runs in a worker thread)."""
+        import httpx
+
+        from . import kvpack
+
+        saved = self.scheduler.save_slot(index, self.slot_save_path / name, self.model_id)
+        pack = kvpack.read_manifest(self.slot_save_path / name)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            with httpx.Client(base_url=to, headers=headers, timeout=600) as http:
+                held = http.get("/kv/blobs")
+                _ok(held, "list its blobs")
+                missing = sorted(pack.blob_names() - set(held.json().get("blobs", [])))
+                sent = 0
+                for blob in missing:
+                    data = (pack.path / "blobs" / f"{blob}.safetensors").read_bytes()
+                    _ok(http.put(f"/kv/blobs/{blob}", content=data), "take a blob")
+                    sent += len(data)
+                manifest = (pack.path / "manifest.json").read_bytes()
+                _ok(http.post(f"/kv/packs/{name}", content=manifest), "take the manifest")
+                restored = http.post(f"/slots/{to_slot}?action=restore", json={"filename": name})
+                _ok(restored, "restore the pack")
+        except httpx.HTTPError as exc:
+            raise MuseError(f"handoff to {to} failed: {type(exc).__name__}: {exc}") from None
+        payload = kvpack._payload_of(pack, set(missing))
+        return {"id_slot": index, "n_saved": saved["n_saved"], "blobs_sent": len(missing),
+                "blobs_in_pack": len(pack.blob_names()), "bytes_sent": sent + len(manifest),
+                "payload_bytes_sent": payload, "payload_bytes_full": kvpack.payload_bytes(pack.manifest),
+                "receiver": restored.json()}
 
     # ---- completions ----
 
@@ -351,6 +465,21 @@ class App:
             return out
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in evs],
                 "top_logprobs": [top(e) for e in evs], "text_offset": offsets}
+
+
+def _plain_name(name) -> str:
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") or len(name) > 200:
+        raise BadRequest("'filename' must be a plain file name", "filename")
+    return name
+
+
+def _ok(response, what: str) -> None:
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:200]
+        raise MuseError(f"the receiver did not {what}: {response.status_code} {message}")
 
 
 class _AuthMiddleware:

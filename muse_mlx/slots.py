@@ -96,6 +96,7 @@ class Slot:
         self.streamer = None
         self.stop: StopMatcher | None = None
         self.tokens: list[int] = []           # what the cache holds
+        self.restored = False                 # holds a restored pack: a request extending its tokens reuses it
 
     def describe(self) -> dict:
         return {"id": self.index, "state": self.state, "n_ctx": self.cache.context, "n_past": self.cache.offset,
@@ -177,6 +178,16 @@ class Scheduler:
     def _idle(self) -> Slot | None:
         return next((s for s in self.slots if s.state == "idle"), None)
 
+    def _slot_for(self, request: Request) -> Slot:
+        """An idle slot holding a restored pack whose tokens the prompt extends, else any idle slot
+        that holds no restored pack, else any idle slot."""
+        idle = [s for s in self.slots if s.state == "idle"]
+        n = len(request.prompt_ids)
+        for slot in sorted(idle, key=lambda s: -len(s.tokens)):
+            if slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
+                return slot
+        return next((s for s in idle if not s.restored), idle[0])
+
     def step(self) -> None:
         for slot in self.slots:   # a client that went away frees its slot
             if slot.request is not None and slot.request.cancelled.is_set():
@@ -185,7 +196,7 @@ class Scheduler:
             with self.wake:
                 request = self.waiting.popleft() if self.waiting else None
             if request is not None and not request.cancelled.is_set():
-                self._admit(self._idle(), request)
+                self._admit(self._slot_for(request), request)
         for slot in [s for s in self.slots if s.state == "prefill"]:
             self._prefill_chunk(slot)
         decoding = [s for s in self.slots if s.state == "decode"]
@@ -198,10 +209,14 @@ class Scheduler:
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
         start = 0
-        if self.prompt_cache is not None:
+        n = len(request.prompt_ids)
+        if slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
+            start = len(slot.tokens)   # the request extends the pack restored here (a handoff)
+        elif self.prompt_cache is not None:
             cache, start, _ = self.prompt_cache.lookup(request.prompt_ids, self.context)
             if cache is not None:
                 slot.cache = cache
+        slot.restored = False
         if start == 0:
             slot.cache.reset()
         slot.tokens = list(request.prompt_ids[:start])
@@ -308,6 +323,6 @@ class Scheduler:
                 raise MuseError(f"slot {index} is busy")
             t = time.perf_counter()
             cache, tokens = kvpack.restore(path, self.model.geometry, model_id["fingerprint"], self.context)
-            slot.cache, slot.tokens = cache, tokens
+            slot.cache, slot.tokens, slot.restored = cache, tokens, True
             return {"id_slot": index, "n_restored": len(tokens), "ms": (time.perf_counter() - t) * 1e3}
         return self.control(restore)

@@ -78,7 +78,8 @@ def solo(f32_fixture):
     def run(ids, n, settings=SamplerSettings()):
         key = (tuple(ids), n, settings)
         if key not in memo:
-            out = list(generate_tokens(model, model.make_cache(CTX), list(ids), Sampler(settings), n, tok.stop_ids))
+            cache = model.make_cache(max(CTX, len(ids) + n + 1))
+            out = list(generate_tokens(model, cache, list(ids), Sampler(settings), n, tok.stop_ids))
             memo[key] = tok.decode(out)
         return memo[key]
     return run
@@ -289,3 +290,43 @@ def test_load(client, solo, server):
         for (ids, m, sampled, _), text in zip(jobs, texts):
             assert text == solo(ids, m, SamplerSettings(temp=0.8, seed=5) if sampled else SamplerSettings())
     assert rss[1] - rss[0] < 64 * 2**20, rss
+
+
+def test_handoff_between_servers_ships_only_what_the_receiver_lacks(f32_fixture, tmp_path, solo):
+    """Server A prefills a prompt but its last token and hands the slot to server B (blobs B lacks,
+    then the manifest; B verifies and restores); B decodes on, and its greedy text is the solo
+    run's. A second, longer prompt sharing the first's plane chunks ships only the rest."""
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    a, a_url = start_server(f32_fixture, "--slot-save-path", str(a_dir), "--ctx-size", "1024", parallel=1)
+    b, b_url = start_server(f32_fixture, "--slot-save-path", str(b_dir), "--ctx-size", "1024", "--api-key", "kb",
+                            parallel=1)
+    try:
+        first = prompt_ids(300, 21)
+        second = first + prompt_ids(200, 22)
+        sent = []
+        for name, ids in (("h1", first), ("h2", second)):
+            r = httpx.post(a_url + "/v1/completions", json={"prompt": ids[:-1], "max_tokens": 0}, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+            r = httpx.post(a_url + "/slots/0?action=handoff", timeout=300,
+                           json={"filename": name, "to": b_url, "api_key": "kb", "slot": 0})
+            assert r.status_code == 200, r.text
+            sent.append(r.json())
+            assert sent[-1]["receiver"]["n_restored"] == len(ids) - 1
+            r = httpx.post(b_url + "/v1/completions", headers={"Authorization": "Bearer kb"}, timeout=120,
+                           json={"prompt": ids, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == solo(ids, 12), r.text
+        assert sent[0]["blobs_sent"] == sent[0]["blobs_in_pack"]
+        assert sent[0]["payload_bytes_sent"] == sent[0]["payload_bytes_full"]
+        assert sent[1]["blobs_sent"] < sent[1]["blobs_in_pack"]    # the first 256 positions' chunk was held
+        assert sent[1]["payload_bytes_sent"] < sent[1]["payload_bytes_full"]
+        r = httpx.post(a_url + "/slots/0?action=handoff", timeout=60,
+                       json={"filename": "h3", "to": b_url, "api_key": "wrong"})
+        assert r.status_code == 400 and "401" in r.json()["error"]["message"]
+        r = httpx.put(b_url + "/kv/blobs/" + "0" * 64, content=b"not it", headers={"Authorization": "Bearer kb"})
+        assert r.status_code == 400 and "hash" in r.json()["error"]["message"]
+    finally:
+        for p in (a, b):
+            p.terminate()
+            p.wait(timeout=30)
