@@ -83,21 +83,10 @@ def handoff_bytes(g: Geometry, depth: int) -> dict:
 
 
 def machine_memory_bytes() -> int | None:
-    """What this machine can give the process: the GPU's working set, else physical RAM."""
-    try:
-        import mlx.core as mx
+    """What this machine can give the process (kv.memory_capacity_bytes: the GPU's working set, else RAM)."""
+    from ..kv import memory_capacity_bytes
 
-        if mx.metal.is_available() or mx.cuda.is_available():
-            info = mx.device_info()
-            for key in ("max_recommended_working_set_size", "memory_size"):
-                if key in info:
-                    return int(info[key])
-    except Exception:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
+    return memory_capacity_bytes()
 
 
 def plot(g: Geometry, path: Path, max_context: int | None = None) -> Path:
