@@ -11,7 +11,6 @@ decomposition, and Figure 22.1 as a PNG.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
