@@ -206,7 +206,9 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
     g = model.geometry
     model_id = None
     if args.load_kv or args.save_kv or args.prompt_cache is not None:
-        model_id = {"fingerprint": kvpack.fingerprint(model_path), "architecture": "muse-glimmer"}
+        from .tools.fixtures import cache_dir
+
+        model_id = {"fingerprint": kvpack.fingerprint(model_path, cache_dir()), "architecture": "muse-glimmer"}
     if args.load_kv:
         t = time.perf_counter()
         cache, tokens = kvpack.restore(args.load_kv, g, model_id["fingerprint"], context)
@@ -218,8 +220,6 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
     else:
         cache, tokens = None, []
     if args.prompt_cache is not None:
-        from .tools.fixtures import cache_dir
-
         pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g,
                          budget_bytes=args.prompt_cache_bytes)
         cache, reused, seconds = pc.lookup(prompt_ids, context)

@@ -52,13 +52,13 @@ def file_sha256(path: Path) -> str:
 
 def fingerprint(path, cache_dir: Path | None = None) -> str:
     """SHA-256 over the GGUF's bytes (metadata, tensor table, tensor data), cached per file by
-    (real path, size, mtime, inode) in `cache_dir` (default: the user cache folder)."""
+    (real path, size, mtime, inode) in `cache_dir`'s fingerprints.json (None: not cached)."""
     path = Path(path).resolve()
+    if cache_dir is None:
+        return "sha256:" + file_sha256(path)
     st = path.stat()
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    if cache_dir is None:
-        cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "muse_mlx"
-    index = cache_dir / "fingerprints.json"
+    index = Path(cache_dir) / "fingerprints.json"
     try:
         known = json.loads(index.read_text())
         if isinstance(known, dict) and isinstance(known.get(key), str):
@@ -488,8 +488,10 @@ def _command(argv=None) -> int:
         if args.model:
             from .artifact import open_artifact
 
+            from .tools.fixtures import cache_dir
+
             g = open_artifact(args.model).geometry
-            pack = verify(args.pack, g, fingerprint(args.model))
+            pack = verify(args.pack, g, fingerprint(args.model, cache_dir()))
         else:
             pack = verify(args.pack)
         print(f"ok: {pack.path}: {pack.manifest['offset']:,} tokens, {len(pack.blob_names())} blobs verified"

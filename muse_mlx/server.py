@@ -512,7 +512,7 @@ def build(args) -> tuple[App, Scheduler]:
     g = model.geometry
     context = min(args.ctx_size or g.context_length, g.context_length)
     tokenizer = MuseTokenizer(model.artifact.vocabulary)
-    model_id = {"fingerprint": kvpack.fingerprint(model_path), "architecture": "muse-glimmer"}
+    model_id = {"fingerprint": kvpack.fingerprint(model_path, cache_dir()), "architecture": "muse-glimmer"}
     pc = None
     if args.prompt_cache is not None:
         pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g)
