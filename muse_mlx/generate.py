@@ -18,6 +18,7 @@ import mlx.core as mx
 from .errors import ContextLimitError, MuseError, NonFiniteError
 from . import cli
 from .cli import Parser
+from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
 from .sampling import Sampler, SamplerSettings
 
@@ -66,8 +67,11 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
 
 @dataclass
 class Stats:
+    load_seconds: float = 0.0
     prompt_tokens: int = 0
+    reused_tokens: int = 0
     prompt_seconds: float = 0.0
+    first_token_seconds: float = 0.0
     generated_tokens: int = 0
     generation_seconds: float = 0.0
     stopped_by: str = "max-tokens"
@@ -77,8 +81,11 @@ class Stats:
             return f"{n / s:.2f} tok/s" if s > 0 and n else "n/a"
 
         kinds = cache.bytes_by_kind()
+        fed = self.prompt_tokens - self.reused_tokens
         return [
-            f"prompt: {self.prompt_tokens} tokens, {rate(self.prompt_tokens, self.prompt_seconds)}",
+            f"load: {self.load_seconds:.2f} s (model and tokenizer)",
+            f"prompt: {self.prompt_tokens} tokens ({self.reused_tokens} reused), {fed} in {self.prompt_seconds:.3f} s, "
+            f"{rate(fed, self.prompt_seconds)}; first token {self.first_token_seconds:.3f} s after the prompt arrived",
             f"generation: {self.generated_tokens} tokens, {rate(self.generated_tokens, self.generation_seconds)}"
             f" (stopped by {self.stopped_by})",
             f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB; weights {model.weight_bytes:,} bytes on the "
@@ -150,8 +157,9 @@ def run(argv: list[str] | None = None) -> int:
     from .model import load
     from .tokenizer import MuseTokenizer
 
+    t_load = time.perf_counter()
     model_path = args.model if args.model is not None else default_model_path()
-    model = load(model_path, backend="reference" if args.reference else "auto")
+    model = load(model_path, backend="reference" if args.reference else "auto", progress=progress_bar("load", "layer"))
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:
@@ -173,10 +181,11 @@ def run(argv: list[str] | None = None) -> int:
 
     sampler = Sampler(settings)
     streamer = tokenizer.streamer()
-    stats = Stats(prompt_tokens=len(prompt_ids))
+    stats = Stats(load_seconds=time.perf_counter() - t_load, prompt_tokens=len(prompt_ids))
     out = sys.stdout
     start = time.perf_counter()
-    cache, logits = prefill(model, model_path, prompt_ids, context, args)
+    cache, logits, stats.reused_tokens = prefill(model, model_path, prompt_ids, context, args)
+    stats.prompt_seconds = time.perf_counter() - start
     first = None
     for token in decode_tokens(model, cache, logits[-1], sampler, args.max_tokens, tokenizer.stop_ids):
         if first is None:
@@ -187,7 +196,7 @@ def run(argv: list[str] | None = None) -> int:
     end = time.perf_counter()
     out.write(streamer.flush() + "\n")
     out.flush()
-    stats.prompt_seconds = (first or end) - start
+    stats.first_token_seconds = (first or end) - start
     stats.generation_seconds = end - first if first else 0.0
     if stats.generated_tokens < args.max_tokens:
         stats.stopped_by = "context limit" if cache.room == 0 else "stop token"
@@ -196,11 +205,30 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
+def progress_bar(desc: str, unit: str):
+    """A tqdm bar on stderr as a progress(done, total) callback, or None when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+    return update
+
+
 def prefill(model, model_path, prompt_ids: list[int], context: int, args):
     """The prompt into a new slot: cold, from a kvpack (--load-kv) or the prompt cache; and
-    --save-kv. Returns (cache, logits of the prompt's last token). Reports reuse on stderr."""
+    --save-kv. Returns (cache, logits of the prompt's last token, prompt tokens reused). Reports
+    reuse on stderr; a progress bar while a long prompt prefills on a terminal."""
+    bar = progress_bar("prompt", "tok") if len(prompt_ids) > PREFILL_CHUNK else None
     from . import kvpack
-    from .geometry import PREFILL_CHUNK
     from .prompt_cache import PromptCache
 
     g = model.geometry
@@ -226,16 +254,19 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
         print(f"prompt cache: reused {reused} of {len(prompt_ids)} prompt tokens"
               + (f" (restore {seconds:.3f} s)" if reused else ""), file=sys.stderr)
         cache = cache or model.make_cache(context)
-        return cache, pc.prefill(model, prompt_ids, cache, reused)
+        return cache, pc.prefill(model, prompt_ids, cache, reused), reused
     cache = cache or model.make_cache(context)
-    start = len(tokens)
+    reused = start = len(tokens)
+
+    def done(a: int):
+        return None if bar is None else (lambda d, n: bar(a + d, len(prompt_ids)))
     if args.save_kv:
         point = max(start, (len(prompt_ids) - 1) // PREFILL_CHUNK * PREFILL_CHUNK)
         if point > start:
-            model.prefill(prompt_ids[start:point], cache)
+            model.prefill(prompt_ids[start:point], cache, progress=done(start))
         kvpack.save(cache, prompt_ids[:point], model_id, args.save_kv)
         start = point
-    return cache, model.prefill(prompt_ids[start:], cache)
+    return cache, model.prefill(prompt_ids[start:], cache, progress=done(start)), reused
 
 
 def main(argv: list[str] | None = None) -> int:

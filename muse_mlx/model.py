@@ -158,15 +158,20 @@ class Model(nn.Module):
     """Muse Glimmer from a validated artifact, its steps computed by one ops backend (ops/; default:
     select_ops('auto'), the GPU kernels when MLX has a GPU, else MLX ops)."""
 
-    def __init__(self, artifact: Artifact, ops: ReferenceOps | None = None):
+    def __init__(self, artifact: Artifact, ops: ReferenceOps | None = None, progress=None):
+        """progress: called with (layers loaded, layers) as the blocks load (a CLI's progress bar)."""
         super().__init__()
         self.artifact = artifact
         self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
         self.embed = Embedding(t["token_embd.weight"])
-        self.blocks = [Block(ops, g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS})
-                       for il in range(g.n_layer)]
+        self.blocks = []
+        for il in range(g.n_layer):
+            self.blocks.append(Block(ops, g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}))
+            if progress is not None:
+                mx.eval(self.blocks[-1].parameters())
+                progress(il + 1, g.n_layer)
         self.output_norm = _vector(t["output_norm.weight"])
         self.output = ops.matrix([t["output.weight"]])
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
@@ -260,9 +265,10 @@ class Model(nn.Module):
             fn = self._compiled[key] = mx.compile(step)
         return fn
 
-    def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK, all_logits: bool = False) -> mx.array:
+    def prefill(self, tokens, cache: SlotCache, chunk: int = PREFILL_CHUNK, all_logits: bool = False,
+                progress=None) -> mx.array:
         """Feed one sequence's tokens at positions cache.offset.. -> logits of the last (1, V), or of
-        every token (L, V).
+        every token (L, V). progress: called with (tokens done, tokens) after each chunk.
 
         Chunks end at multiples of `chunk` in absolute positions, so a prompt fed in several calls
         that stop at such multiples (a cache restored from a pack saved there, kvpack) computes
@@ -277,6 +283,8 @@ class Model(nn.Module):
             mx.eval(logits, cache.state())
             outs.append(logits)
             a = b
+            if progress is not None:
+                progress(a, n)
         return mx.concatenate(outs, axis=0) if all_logits else outs[-1]
 
     def step(self, token: int | mx.array, cache: SlotCache) -> mx.array:
@@ -285,11 +293,11 @@ class Model(nn.Module):
         return self(token.reshape(1, 1), [cache])[0, 0]
 
 
-def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig()) -> Model:
+def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig(), progress=None) -> Model:
     """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference' (ops.select_ops)."""
     from .artifact import open_artifact
 
-    return Model(open_artifact(path), select_ops(backend, kernel_config))
+    return Model(open_artifact(path), select_ops(backend, kernel_config), progress)
 
 
 __all__ = ["Model", "load", "rope_cos_sin"]

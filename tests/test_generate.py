@@ -23,8 +23,9 @@ def test_default_model_runs_and_streams_only_text(f32_fixture):
     r = run_cli("--max-tokens", "12")
     assert r.returncode == 0, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["prompt", "generation", "peak memory", "KV cache"]
-    assert "12 tokens" in lines[1]
+    assert [line.split(":")[0] for line in lines] == ["load", "prompt", "generation", "peak memory", "KV cache"]
+    assert "\r" not in r.stderr   # no progress bar when stderr is not a terminal
+    assert "12 tokens" in lines[2]
     # The same tokens through the API, decoded: stdout is exactly that text and a newline.
     model = load(ensure_fixture())
     tok = MuseTokenizer(model.artifact.vocabulary)
@@ -206,7 +207,7 @@ def test_non_finite_logits_stop_generation_with_their_position(f32_fixture, at_s
 def test_non_finite_logits_exit_2_from_the_cli(f32_fixture, monkeypatch, capsys):
     from muse_mlx import generate
 
-    monkeypatch.setattr("muse_mlx.model.load", lambda path, backend="auto": _poisoned(load(path, backend), 2))
+    monkeypatch.setattr("muse_mlx.model.load", lambda path, backend="auto", progress=None: _poisoned(load(path, backend), 2))
     assert generate.main(["--model", str(f32_fixture), "-m", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: non-finite logits at position"), err
@@ -223,3 +224,32 @@ def test_a_kv_cache_that_does_not_fit_is_refused_before_allocating(f32_fixture, 
     assert generate.main(["--model", str(f32_fixture), "-m", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"needs {need:,} bytes" in err[0] and "available" in err[0], err
+
+
+def test_progress_bars_on_a_terminal(f32_fixture):
+    """On a terminal, stderr shows the model load and a long prompt's prefill as progress bars."""
+    import os
+    import pty
+
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a 100-column terminal
+    text = " ".join(f"w{i}" for i in range(400))   # ~1,500 tokens: three chunks of 512
+    p = subprocess.Popen([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "-p", text,
+                          "-m", "2"], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert p.wait(timeout=300) == 0
+    os.close(master)
+    assert b"layer" in seen and b"tok" in seen and b"%|" in seen, seen[-400:]
