@@ -114,6 +114,13 @@ class Artifact:
     def __getitem__(self, name: str) -> RawTensor:
         return self.tensors[name]
 
+    def release(self, tensors) -> None:
+        """Drop the pages of these tensors' bytes from this process's mapping of the file (madvise
+        DONTNEED): called once their bytes are copied out (Model) or checked (the weight scan),
+        so the process does not hold the file's pages and the copies at once (the pages stay in
+        the page cache; a later read maps them again)."""
+        release_mapped(self.reader, [t.data for t in tensors])
+
     @property
     def file_bytes(self) -> int:
         return self.path.stat().st_size
@@ -163,8 +170,22 @@ def open_artifact(path: str | os.PathLike, *, check_weights: bool = True) -> Art
     tensors = _read_tensors(path, reader, geometry, scan)
     _check_vectors(path, tensors, geometry)
     if check_weights:
-        check_matrix_weights(path, tensors, {t.name: scan.data_start + t.offset for t in scan.tensors})
+        check_matrix_weights(path, tensors, {t.name: scan.data_start + t.offset for t in scan.tensors},
+                             lambda t: release_mapped(reader, [t.data]))
     return Artifact(path, reader, geometry, tensors)
+
+
+def release_mapped(reader: GGUFReader, views) -> None:
+    """madvise(DONTNEED) over the whole pages inside each numpy view of the reader's file mapping."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    base, page = reader.data.ctypes.data, mmap.PAGESIZE
+    for v in views:
+        start = v.ctypes.data - base
+        first, last = -(-start // page) * page, (start + v.nbytes) // page * page
+        if last > first:
+            mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:
@@ -727,7 +748,7 @@ def _first_nonfinite(t: RawTensor) -> tuple[int, int, float] | None:
     return None  # NVFP4: no non-finite encoding
 
 
-def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dict[str, int]) -> None:
+def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dict[str, int], done=None) -> None:
     """Refuse a matrix with a NaN/Inf (or, F32/BF16, |w| >= 65,536) element or a NaN/Inf block scale.
 
     Vectorized, one tensor (and at most 64 MiB of it) at a time; a tensor lying wholly in
@@ -741,6 +762,8 @@ def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dic
             if _is_hole(fd, offsets[name], t.nbytes):
                 continue
             found = _first_nonfinite(t)
+            if done is not None:
+                done(t)
             if found is not None:
                 row, col, value = found
                 if t.qtype in _NONFINITE_MASK:

@@ -166,14 +166,18 @@ class Model(nn.Module):
         g = self.geometry = artifact.geometry
         t = artifact.tensors
         self.embed = Embedding(t["token_embd.weight"])
+        artifact.release([t["token_embd.weight"]])   # its bytes are copied: the mapping need not hold them
         self.blocks = []
         for il in range(g.n_layer):
-            self.blocks.append(Block(ops, g, il, {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}))
+            raws = {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}
+            self.blocks.append(Block(ops, g, il, raws))
+            mx.eval(self.blocks[-1].parameters())
+            artifact.release(raws.values())
             if progress is not None:
-                mx.eval(self.blocks[-1].parameters())
                 progress(il + 1, g.n_layer)
         self.output_norm = _vector(t["output_norm.weight"])
         self.output = ops.matrix([t["output.weight"]])
+        artifact.release([t["output.weight"]])
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
         self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
         mx.eval(self.parameters())
