@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-from .fixture_vocab import SPECIAL_TOKENS, build_vocab
+from .fixture_vocab import SPECIAL_TOKENS, FixtureVocab, build_vocab
 from ..geometry import ARCH, Geometry
 from ..quant import block_bytes, block_size, row_bytes
 
@@ -161,7 +161,7 @@ def chat_template() -> str:
     return resources.files("muse_mlx").joinpath("templates/fixture-chat.jinja").read_text(encoding="utf-8")
 
 
-def _write_metadata(w: GGUFWriter, g: Geometry, name: str) -> None:
+def _write_metadata(w: GGUFWriter, g: Geometry, name: str, vocab: FixtureVocab | None) -> None:
     k = lambda s: f"{ARCH}.{s}"  # noqa: E731
     w.add_name(name)
     w.add_uint32(k("block_count"), g.n_layer)
@@ -182,7 +182,7 @@ def _write_metadata(w: GGUFWriter, g: Geometry, name: str) -> None:
     if g.final_logit_softcap:
         w.add_float32(k("final_logit_softcapping"), g.final_logit_softcap)
 
-    vocab = build_vocab(g.n_vocab)
+    vocab = vocab or build_vocab(g.n_vocab)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "gpt-2")
     w.add_token_list(vocab.tokens)
@@ -197,16 +197,18 @@ def _write_metadata(w: GGUFWriter, g: Geometry, name: str) -> None:
     w.add_string("tokenizer.chat_template", chat_template())
 
 
-def write_gguf(path: Path, g: Geometry, types: dict[str, QT], producer: Producer, name: str) -> Path:
+def write_gguf(path: Path, g: Geometry, types: dict[str, QT], producer: Producer, name: str,
+               vocab: FixtureVocab | None = None) -> Path:
     """Write header, metadata and tensor table, then each tensor's bytes from `producer`
-    (None leaves a hole: the file stays sparse there). Atomic: tmp file + rename."""
+    (None leaves a hole: the file stays sparse there). vocab: the fixtures' byte-level BPE of
+    g.n_vocab tokens unless given. Atomic: tmp file + rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shapes = g.tensor_shapes()
     w = GGUFWriter(tmp, ARCH)
     try:
-        _write_metadata(w, g, name)
+        _write_metadata(w, g, name, vocab)
         for tname, shape in shapes.items():
             qtype = types[tname]
             rows = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
