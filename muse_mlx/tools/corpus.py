@@ -94,8 +94,12 @@ def page_prose(rst: str) -> str:
                 paragraphs.append(text)
             current.clear()
 
+    skip_to_blank = False     # a doctest session: dropped up to the next blank line
     for line in lines:
         stripped = line.strip()
+        if skip_to_blank:
+            skip_to_blank = bool(stripped)
+            continue
         if skip_deeper_than is not None:
             if not stripped or _indent(line) > skip_deeper_than:
                 continue
@@ -127,7 +131,7 @@ def page_prose(rst: str) -> str:
         if _FIELD.match(line) and not current:
             continue
         if stripped.startswith((">>>", "...")) and not current:
-            skip_deeper_than = _indent(line) - 1   # a doctest session: to the next blank line
+            skip_to_blank = True
             continue
         if current and _indent(line) > _indent(current[0]) + 1 and not stripped.startswith(("*", "-", "#.")):
             current.append(line)

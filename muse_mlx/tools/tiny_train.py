@@ -123,14 +123,15 @@ class TinyMuse(nn.Module):
         return mx.tanh(logits / c) * c if c else logits
 
     def gguf_tensors(self) -> dict[str, mx.array]:
-        """Parameter name -> GGUF tensor name (blk.0.attn_q.weight, ...)."""
-        out = {}
-        for name, value in tree_flatten(self.parameters()):
-            if name == "g":
-                continue
-            gguf = name if name.endswith(".weight") else name + ".weight"
-            out[gguf] = value
-        return out
+        """The parameters under their GGUF names (blk.0.attn_q.weight, blk.0.attn_norm.weight, ...)."""
+        return {name if name.endswith(".weight") else name + ".weight": value
+                for name, value in tree_flatten(self.parameters())}
+
+    def load_gguf_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        """The inverse of gguf_tensors: set every parameter from its GGUF-named values."""
+        names = dict(tree_flatten(self.parameters()))
+        pairs = [(n if n in names else n.removesuffix(".weight"), mx.array(v)) for n, v in tensors.items()]
+        self.load_weights(pairs, strict=True)
 
 
 def loss_fn(model: TinyMuse, batch: mx.array) -> mx.array:

@@ -7,5 +7,5 @@ mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama || exit 1
 setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > /tmp/llama/build.log 2>&1 \
-  && cmake --build build --target llama-bench -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
+  && cmake --build build --target ${LLAMA_TARGETS:-llama-bench} -j 12 >> /tmp/llama/build.log 2>&1; echo $? > /tmp/llama/build.rc' \
   > /dev/null 2>&1 < /dev/null &

@@ -1,0 +1,209 @@
+"""Serving benchmarks on the GPU: warm prefix reuse through kvpack (issue 15) and the packed decode
+step over 1..4 slots (issue 16), with a receipt.
+
+- warm: for a prompt of L tokens whose deepest stored checkpoint is at C = the last multiple of
+  512 below L (prompt_cache.py's rule), the time to the first token when the pack is restored
+  from disk and only L - C tokens are prefilled, against the cold prefill of all L (for
+  L <= --cold-max). Also the pack's save and restore rates (restored once with its blobs dropped
+  from the page cache, once from it) against the disk's own write / read and a host copy of the
+  same bytes, and the model fingerprint's first computation (kvpack.fingerprint).
+- batch: aggregate greedy tokens per second of the forward over B sequences x 1 token (the step the
+  server's slots share), at a depth, pipelined as generate's loop is.
+
+The K/V rows are random f16 (SlotCache.fill_random): timing depends on sizes, not values; the
+numbers are as synthetic as the GGUF they run on.
+
+    python -m muse_mlx.tools.bench_serving --model X.gguf [--warm 2048,32768,65536] [--cold-max 2048]
+        [--batch 1,2,3,4] [--depth 0] [--decode-tokens 48] [--workdir DIR] [--receipt OUT.json]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .. import cli
+from ..cli import Parser, ints
+from ..errors import MuseError
+from ..geometry import PREFILL_CHUNK
+from .bench import _stats
+
+
+def _drop_from_page_cache(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def disk_rates(folder: Path, nbytes: int) -> dict:
+    """Write (with fsync) and read back (dropped from the page cache first) one file of nbytes, and
+    copy the same bytes in host memory: GB/s each."""
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    path = folder / "disk-probe.bin"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t
+    _drop_from_page_cache(folder)
+    t = time.perf_counter()
+    back = np.fromfile(path, dtype=np.uint8)
+    read_s = time.perf_counter() - t
+    t = time.perf_counter()
+    copy = data.copy()
+    copy_s = time.perf_counter() - t
+    assert back.size == copy.size == nbytes
+    path.unlink()
+    return {"bytes": nbytes, "write_gbps": nbytes / write_s / 1e9, "read_gbps": nbytes / read_s / 1e9,
+            "host_copy_gbps": nbytes / copy_s / 1e9}
+
+
+def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path) -> dict:
+    from .. import kvpack
+
+    g = model.geometry
+    tokens = np.random.default_rng(length).integers(0, g.n_vocab, length).tolist()
+    ckpt = (length - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    cache = model.make_cache(length + 1)
+    cache.fill_random(ckpt)
+    pack_dir = workdir / f"pack-{length}"
+    t = time.perf_counter()
+    kvpack.save(cache, tokens[:ckpt], model_id, pack_dir)
+    save_s = time.perf_counter() - t
+    payload = kvpack.payload_bytes(kvpack.read_manifest(pack_dir).manifest)
+    del cache
+    out = {"length": length, "checkpoint": ckpt, "prefilled_after_restore": length - ckpt,
+           "pack_payload_bytes": payload, "save_s": save_s, "save_gbps": payload / save_s / 1e9}
+
+    def warm_once() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        restored, _ = kvpack.restore(pack_dir, g, model_id["fingerprint"], length + 1)
+        mx.eval(restored.state())
+        t1 = time.perf_counter()
+        first = mx.argmax(model.prefill(tokens[ckpt:], restored))
+        mx.eval(first)
+        return t1 - t0, time.perf_counter() - t0
+
+    _drop_from_page_cache(pack_dir)
+    out["restore_from_disk_s"], out["warm_ttft_from_disk_s"] = warm_once()
+    samples = [warm_once() for _ in range(3)]
+    out["restore_s"] = _stats([s[0] for s in samples])
+    out["warm_ttft_s"] = _stats([s[1] for s in samples])
+    out["restore_gbps"] = payload / out["restore_s"]["mean"] / 1e9
+    out["restore_from_disk_gbps"] = payload / out["restore_from_disk_s"] / 1e9
+    if cold:
+        def cold_once() -> float:
+            c = model.make_cache(length + 1)
+            t0 = time.perf_counter()
+            mx.eval(mx.argmax(model.prefill(tokens, c)))
+            return time.perf_counter() - t0
+        cold_once()
+        out["cold_ttft_s"] = _stats([cold_once() for _ in range(2)])
+    shutil.rmtree(pack_dir)
+    return out
+
+
+def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dict:
+    caches = [model.make_cache(depth + (reps + 1) * tokens + 8) for _ in range(batch)]
+
+    def once() -> float:
+        for c in caches:
+            c.fill_random(depth)
+        tok = mx.zeros((batch, 1), dtype=mx.int32)
+        mx.eval(tok)
+        t = time.perf_counter()
+        for _ in range(tokens):
+            tok = mx.argmax(model(tok, caches)[:, -1], axis=-1).astype(mx.int32).reshape(batch, 1)
+            mx.async_eval(tok)
+        mx.eval(tok)
+        return batch * tokens / (time.perf_counter() - t)
+
+    once()
+    agg = _stats([once() for _ in range(reps)])
+    return {"batch": batch, "depth": depth, "tokens_per_sequence": tokens, "aggregate_tok_s": agg,
+            "per_sequence_tok_s": agg["mean"] / batch}
+
+
+def _command(argv=None) -> int:
+    p = Parser(prog="python -m muse_mlx.tools.bench_serving", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a muse-glimmer GGUF")
+    p.add_argument("--warm", default="2048,32768,65536", help="prompt lengths of the warm cells ('' for none)")
+    p.add_argument("--cold-max", type=int, default=2048, help="also time the cold prefill up to this length")
+    p.add_argument("--batch", default="1,2,3,4", help="slot counts of the packed-step cells ('' for none)")
+    p.add_argument("--depth", type=int, default=0, help="K/V depth of each sequence in the batch cells")
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--workdir", help="where packs are written (default: a temporary folder)")
+    p.add_argument("--receipt")
+    p.add_argument("--synthetic", action="store_true")
+    p.add_argument("--reference", action="store_true", help="the MLX-ops backend (CPU smoke runs)")
+    args = p.parse_args(argv)
+    warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
+    if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
+        raise MuseError("--warm and --batch values and --decode-tokens must be >= 1, --depth >= 0")
+    from .. import kvpack
+    from ..model import load
+    from .receipts import make_receipt, write_receipt
+
+    t = time.perf_counter()
+    model = load(args.model, backend="reference" if args.reference else "gpu")
+    metrics = {"load_s": time.perf_counter() - t, "warm": [], "batch": []}
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="muse-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        t = time.perf_counter()
+        fid = kvpack.fingerprint(args.model, work / "fingerprints")
+        metrics["fingerprint_first_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        kvpack.fingerprint(args.model, work / "fingerprints")
+        metrics["fingerprint_cached_s"] = time.perf_counter() - t
+        metrics["file_bytes"] = Path(args.model).stat().st_size
+        print(f"fingerprint: {metrics['fingerprint_first_s']:.2f} s first, {metrics['fingerprint_cached_s'] * 1e3:.1f} ms "
+              f"cached ({metrics['file_bytes'] / 1e9:.2f} GB)", flush=True)
+        model_id = {"fingerprint": fid, "architecture": "muse-glimmer"}
+        for length in warm:
+            cell = warm_cell(model, model_id, length, length <= args.cold_max, work)
+            metrics["warm"].append(cell)
+            cold = f", cold {cell['cold_ttft_s']['mean']:.3f} s" if "cold_ttft_s" in cell else ""
+            print(f"warm {length:>6}: first token {cell['warm_ttft_s']['mean']:.3f} s (restore "
+                  f"{cell['restore_s']['mean']:.3f} s = {cell['restore_gbps']:.2f} GB/s; from disk "
+                  f"{cell['warm_ttft_from_disk_s']:.3f} s) + {cell['prefilled_after_restore']} tokens{cold}; save "
+                  f"{cell['save_gbps']:.2f} GB/s of {cell['pack_payload_bytes'] / 1e9:.3f} GB", flush=True)
+        if metrics["warm"]:
+            metrics["disk"] = disk_rates(work, max(c["pack_payload_bytes"] for c in metrics["warm"]))
+            print(f"disk: write {metrics['disk']['write_gbps']:.2f} GB/s, read {metrics['disk']['read_gbps']:.2f} "
+                  f"GB/s, host copy {metrics['disk']['host_copy_gbps']:.2f} GB/s", flush=True)
+        for b in batches:
+            cell = batch_cell(model, b, args.depth, args.decode_tokens)
+            metrics["batch"].append(cell)
+            print(f"batch {b}: {cell['aggregate_tok_s']['mean']:.1f} tok/s aggregate (CV "
+                  f"{cell['aggregate_tok_s']['cv']:.2%}), {cell['per_sequence_tok_s']:.1f} per sequence", flush=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    receipt = make_receipt("bench/serving", inputs=vars(args), metrics=metrics, synthetic=args.synthetic,
+                           notes=["K/V rows random f16 (SlotCache.fill_random); the restore 'from disk' "
+                                  "sample follows posix_fadvise(DONTNEED) on the pack's blobs"])
+    if args.receipt:
+        print(f"receipt: {write_receipt(args.receipt, receipt)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
