@@ -22,7 +22,7 @@ from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
 from .sampling import Sampler, SamplerSettings
 
-DEFAULT_PROMPT = "The weights are a river."
+DEFAULT_PROMPT = "A list is"
 
 
 def generate_tokens(model, cache: SlotCache, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
@@ -153,7 +153,7 @@ def run(argv: list[str] | None = None) -> int:
     if problems:
         raise MuseError(problems[0])
 
-    from .tools.fixtures import default_model_path
+    from .default_model import default_model_path
     from .model import load
     from .tokenizer import MuseTokenizer
 

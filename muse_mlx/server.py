@@ -505,7 +505,8 @@ def build(args) -> tuple[App, Scheduler]:
     from .model import load
     from .prompt_cache import PromptCache
     from .tokenizer import MuseTokenizer
-    from .tools.fixtures import cache_dir, default_model_path
+    from .default_model import default_model_path
+    from .tools.fixtures import cache_dir
 
     model_path = args.model if args.model is not None else default_model_path()
     model = load(model_path, backend="reference" if args.reference else "auto")

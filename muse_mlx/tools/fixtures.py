@@ -292,6 +292,3 @@ def ensure_fixture(geometry: Geometry = DEFAULT_GEOMETRY, seed: int = DEFAULT_SE
         write_fixture(path, geometry, seed, weight_type)
     return path
 
-
-def default_model_path() -> Path:
-    return ensure_fixture()
