@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .kv import KV_DTYPE, SlotCache
 FORMAT = "muse-kvpack/1"
 ENCODINGS = {"f16": np.float16, "f32": np.float32}
 CHUNK_ROWS = 256          # positions per plane chunk: the unit a common prefix shares
+READ_THREADS = min(8, os.cpu_count() or 1)   # blobs read and hashed at once by a restore or verify
 RING_GROUP = 13           # sliding layers per ring blob (the book's transfer schedule: 39 = 3 x 13)
 MANIFEST_MAX_BYTES = 64 * 2**20
 HASH_PIECE = 16 * 2**20
@@ -320,28 +322,45 @@ def _read_blob(pack: Pack, name: str, want: dict[str, tuple]) -> dict[str, np.nd
     return tensors
 
 
-def _layer_rows(pack: Pack) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Every layer's held rows (K, V) as f16, from verified blobs."""
+def _layer_rows(pack: Pack, capacity: dict[int, int] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Every layer's K and V (n_kv, rows, hd) f16, from verified blobs: the held rows, or with
+    `capacity` (layer -> storage rows) the whole storage, the held rows first and zeros after
+    (each chunk copied once, straight to its place)."""
     m, g = pack.manifest, _geometry(pack)
     n_kv, hd = g.n_head_kv, g.head_dim
     full = [i for i in range(g.n_layer) if not g.is_swa(i)]
-    rows: dict[int, list] = {i: ([], []) for i in full}
-    for c in m["plane_chunks"]:
-        t = _read_blob(pack, c["blob"], {f"{kv}.{i}": (n_kv, c["rows"], hd) for i in full for kv in "kv"})
-        for i in full:
-            rows[i][0].append(t[f"k.{i}"])
-            rows[i][1].append(t[f"v.{i}"])
+    wanted = [(c["blob"], {f"{kv}.{i}": (n_kv, c["rows"], hd) for i in full for kv in "kv"}) for c in m["plane_chunks"]]
+    wanted += [(grp["blob"], {f"{kv}.{i}": (n_kv, m["ring_rows_held"], hd) for i in grp["layers"] for kv in "kv"})
+               for grp in m["ring_groups"]]
+    blobs = _read_blobs(pack, wanted)
+    held = {i: (m["ring_rows_held"] if g.is_swa(i) else sum(c["rows"] for c in m["plane_chunks"]))
+            for i in range(g.n_layer)}
     out = {}
-    for i in full:
-        ks, vs = rows[i]
-        out[i] = (np.concatenate(ks, axis=1) if ks else np.zeros((n_kv, 0, hd), np.float16),
-                  np.concatenate(vs, axis=1) if vs else np.zeros((n_kv, 0, hd), np.float16))
-    for grp in m["ring_groups"]:
-        t = _read_blob(pack, grp["blob"], {f"{kv}.{i}": (n_kv, m["ring_rows_held"], hd)
-                                          for i in grp["layers"] for kv in "kv"})
+    for i in range(g.n_layer):
+        rows = capacity[i] if capacity is not None else held[i]
+        _need(rows >= held[i], pack.path, f"layer {i} holds {held[i]} rows, more than its storage's {rows}")
+        alloc = np.zeros if rows > held[i] else np.empty
+        out[i] = (alloc((n_kv, rows, hd), np.float16), alloc((n_kv, rows, hd), np.float16))
+    first = 0
+    for c, t in zip(m["plane_chunks"], blobs):
+        for i in full:
+            out[i][0][:, first:first + c["rows"]] = t[f"k.{i}"]
+            out[i][1][:, first:first + c["rows"]] = t[f"v.{i}"]
+        first += c["rows"]
+    for grp, t in zip(m["ring_groups"], blobs[len(m["plane_chunks"]):]):
         for i in grp["layers"]:
-            out[i] = (t[f"k.{i}"], t[f"v.{i}"])
-    return {i: (k.astype(np.float16), v.astype(np.float16)) for i, (k, v) in out.items()}
+            out[i][0][:, :held[i]] = t[f"k.{i}"]
+            out[i][1][:, :held[i]] = t[f"v.{i}"]
+    return out
+
+
+def _read_blobs(pack: Pack, wanted: list[tuple[str, dict]]) -> list[dict[str, np.ndarray]]:
+    """_read_blob of each (name, want), several at once: reading and SHA-256 release the GIL, so the
+    hashing of a large pack runs on as many cores as there are threads."""
+    if len(wanted) < 2:
+        return [_read_blob(pack, name, want) for name, want in wanted]
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(wanted))) as pool:
+        return list(pool.map(lambda w: _read_blob(pack, *w), wanted))
 
 
 def verify(path, geometry: Geometry | None = None, model_fingerprint: str | None = None) -> Pack:
@@ -366,11 +385,10 @@ def restore(path, geometry: Geometry, model_fingerprint: str, context: int | Non
     _need(geometry.ring_rows(context) == geometry.ring_rows(m["context"]), pack.path,
           f"its rings were {geometry.ring_rows(m['context'])} rows; a context of {context} makes them "
           f"{geometry.ring_rows(context)}")
-    rows = _layer_rows(pack)
     cache = SlotCache(geometry, context, KV_DTYPE)
+    storage = _layer_rows(pack, {i: layer.capacity for i, layer in enumerate(cache.layers)})
     for i, layer in enumerate(cache.layers):
-        k, v = rows[i]
-        layer.restore_rows(mx.array(k), mx.array(v), m["offset"])
+        layer.restore_storage(*storage.pop(i), m["offset"])
     mx.eval(cache.state())
     return cache, list(m["tokens"])
 

@@ -23,14 +23,14 @@ def main(png: str, *receipts: str) -> None:
         rev = (r["git"].get("revision") or "?")[:7]
         for key, style, label in (("train_curve", "--", "train"), ("held_out_curve", "-", "held-out")):
             xs, ys = zip(*r["samples"][key])
-            ax.plot(xs, ys, style, label=f"{label}, {steps} steps")
+            ax.plot(xs, ys, style, label=f"{label}, {steps} steps ({rev})")
         best = r["metrics"]
         ax.annotate(f"best held-out ppl {best['best_held_out_ppl']:.1f}", (best["best_step"], best["best_held_out_loss"]),
                     textcoords="offset points", xytext=(5, -14 - 12 * i), fontsize=8)
     ax.set_xlabel("step (32 x 512 tokens)")
     ax.set_ylabel("cross-entropy, nats per token")
     ax.set_ylim(0, 8.5)
-    ax.set_title(f"tiny muse-glimmer on the Python 3.11 docs, H200, revision {rev}")
+    ax.set_title("tiny muse-glimmer on the Python 3.11 docs, H200")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -315,7 +315,7 @@ def main(argv=None) -> int:
         inputs={"geometry": asdict(g), "config": asdict(cfg), "n_params": n_params,
                 "train_tokens": int(train_ids.size), "held_out_tokens": int(held_ids.size),
                 "probe": probe, "data_sha256": {s: hashlib.sha256(np.load(args.data / f"{s}.npy").tobytes()).hexdigest()
-                                for s in ("train", "heldout")}, "max_seconds": args.max_seconds},
+                                for s in ("train", "heldout")}, "max_seconds": None if math.isinf(args.max_seconds) else args.max_seconds},
         metrics={**result, "weights": shards}, samples=curves,
         notes=["losses are mean cross-entropy in nats per token of the tiny tokenizer; the held-out "
                "curve is over fixed windows of the held-out pages"])
