@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the pinned llama.cpp's CUDA build (llama-bench, sm_90) in the background on the device,
+# Start the pinned llama.cpp's CUDA build (llama-bench, or the exported LLAMA_TARGETS, sm_90) in the
+# background on the device,
 # from .device/llama-src.tar.xz (the trimmed vendored tree of llama-cpp-python 0.3.36);
 # /tmp/llama/build.rc holds its exit status when done (~6 minutes on 16 cores).
 cd "$(dirname "$0")/../.."
