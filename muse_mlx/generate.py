@@ -250,11 +250,16 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
     if args.prompt_cache is not None:
         pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g,
                          budget_bytes=args.prompt_cache_bytes)
-        cache, reused, seconds = pc.lookup(prompt_ids, context)
-        print(f"prompt cache: reused {reused} of {len(prompt_ids)} prompt tokens"
-              + (f" (restore {seconds:.3f} s)" if reused else ""), file=sys.stderr)
-        cache = cache or model.make_cache(context)
-        return cache, pc.prefill(model, prompt_ids, cache, reused), reused
+        hit = pc.lookup(prompt_ids, context)
+        print(f"prompt cache: reused {hit.reused} of {len(prompt_ids)} prompt tokens"
+              + (f" (restore {hit.seconds:.3f} s)" if hit.reused else "")
+              + (", with the last token's logits: nothing to prefill" if hit.logits is not None else ""),
+              file=sys.stderr)
+        if hit.logits is not None:
+            return hit.cache, mx.array(hit.logits).reshape(1, -1), hit.reused
+        cache = hit.cache or model.make_cache(context)
+        progress = None if bar is None else (lambda d, n: bar(hit.reused + d, len(prompt_ids)))
+        return cache, pc.prefill(model, prompt_ids, cache, hit.reused, progress=progress), hit.reused
     cache = cache or model.make_cache(context)
     reused = start = len(tokens)
 

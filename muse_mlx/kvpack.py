@@ -134,12 +134,14 @@ def _put_blob(blobs: Path, tensors: dict[str, np.ndarray]) -> tuple[str, int]:
 
 
 def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", chunk_rows: int = CHUNK_ROWS,
-         known_chunks: dict | None = None) -> Path:
+         known_chunks: dict | None = None, last_logits=None) -> Path:
     """Write `cache` (holding exactly `tokens`) as a pack at `out` (a new or empty directory).
     model_id: {'fingerprint': ..., 'architecture': ...}. The manifest is written last.
     known_chunks: {(first, rows): (blob name, bytes)} of plane chunks of this same cache already
     written by an earlier save into `out`'s blobs (the prompt cache's checkpoints); they are not
-    serialized again."""
+    serialized again. last_logits: the logits (n_vocab,) the forward gave at the last position,
+    kept float32 whatever the encoding (the prompt cache's end entries: a repeated prompt then
+    samples its first token from them, with no prefill)."""
     if encoding not in ENCODINGS:
         raise PackError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
     tokens = [int(t) for t in tokens]
@@ -191,6 +193,12 @@ def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", c
         "ring_rows_held": min(cache.offset, g.ring_rows(cache.context)) if swa else 0,
         "plane_chunks": chunks, "ring_groups": groups,
     }
+    if last_logits is not None:
+        logits = np.ascontiguousarray(np.array(last_logits, dtype=np.float32).reshape(-1))
+        if logits.shape != (g.n_vocab,) or not np.isfinite(logits).all() or not tokens:
+            raise PackError(f"last_logits must be {g.n_vocab} finite values after at least one token")
+        name, size = _put_blob(blobs, {"logits": logits})
+        manifest["last_logits"] = {"blob": name, "bytes": size}
     manifest["seal"] = seal_of(manifest)
     _write_atomic(out / "manifest.json", _canonical(manifest))
     return out
@@ -209,7 +217,9 @@ class Pack:
         return self.manifest["tokens"]
 
     def blob_names(self) -> set[str]:
-        return {c["blob"] for c in self.manifest["plane_chunks"]} | {r["blob"] for r in self.manifest["ring_groups"]}
+        m = self.manifest
+        names = {c["blob"] for c in m["plane_chunks"]} | {r["blob"] for r in m["ring_groups"]}
+        return names | ({m["last_logits"]["blob"]} if "last_logits" in m else set())
 
 
 def _need(cond: bool, path, what: str) -> None:
@@ -275,6 +285,9 @@ def read_manifest(path) -> Pack:
         seen += grp["layers"]
     _need(seen == [i for i in range(geometry.n_layer) if geometry.is_swa(i)], path,
           "the ring groups do not cover the sliding layers exactly once, in order")
+    if "last_logits" in m:
+        ll = m["last_logits"]
+        _need(isinstance(ll, dict) and _is_name(ll.get("blob")) and offset >= 1, path, "last_logits is malformed")
     return Pack(path, m)
 
 
@@ -296,8 +309,9 @@ def check_for_model(pack: Pack, geometry: Geometry, model_fingerprint: str) -> N
     _need(not diff, pack.path, f"made for another geometry ({', '.join(sorted(diff))} differ)")
 
 
-def _read_blob(pack: Pack, name: str, want: dict[str, tuple]) -> dict[str, np.ndarray]:
-    """A blob, its hash checked against its name, holding exactly `want` (name -> shape) at the encoding."""
+def _read_blob(pack: Pack, name: str, want: dict[str, tuple], dtype=None) -> dict[str, np.ndarray]:
+    """A blob, its hash checked against its name, holding exactly `want` (name -> shape) at the
+    encoding (or `dtype`)."""
     f = pack.path / "blobs" / f"{name}.safetensors"
     try:
         data = f.read_bytes()
@@ -309,14 +323,14 @@ def _read_blob(pack: Pack, name: str, want: dict[str, tuple]) -> dict[str, np.nd
         tensors = st_load(data)
     except (SafetensorError, ValueError, OSError) as exc:
         raise PackError(f"{pack.path}: blob {name[:12]}... is not a safetensors file ({exc})") from None
-    dt = np.dtype(ENCODINGS[pack.manifest["encoding"]])
+    dt = np.dtype(dtype or ENCODINGS[pack.manifest["encoding"]])
     _need(set(tensors) == set(want), pack.path, f"blob {name[:12]}... holds {sorted(tensors)[:4]}, not the layers "
           f"the manifest names")
     for key, shape in want.items():
         t = tensors[key]
         _need(t.dtype == dt and t.shape == shape, pack.path,
               f"blob {name[:12]}... tensor {key} is {t.dtype} {t.shape}, not {dt} {shape}")
-        if dt != np.float16:
+        if dtype is None and dt != np.float16:
             _need(bool(np.array_equal(t.astype(np.float16).astype(dt), t, equal_nan=True)), pack.path,
                   f"blob {name[:12]}... tensor {key} holds values f16 cannot represent exactly")
     return tensors
@@ -370,7 +384,20 @@ def verify(path, geometry: Geometry | None = None, model_fingerprint: str | None
     if geometry is not None:
         check_for_model(pack, geometry, model_fingerprint or "")
     _layer_rows(pack)
+    read_last_logits(pack)
     return pack
+
+
+def read_last_logits(pack: Pack) -> np.ndarray | None:
+    """The logits of the pack's last position (n_vocab,) float32, checked (hash, shape, finite), or
+    None when the pack holds none."""
+    ll = pack.manifest.get("last_logits")
+    if ll is None:
+        return None
+    n_vocab = pack.manifest["geometry"]["n_vocab"]
+    logits = _read_blob(pack, ll["blob"], {"logits": (n_vocab,)}, dtype=np.float32)["logits"]
+    _need(bool(np.isfinite(logits).all()), pack.path, "last_logits holds values that are not finite")
+    return logits
 
 
 def restore(path, geometry: Geometry, model_fingerprint: str, context: int | None = None) -> tuple[SlotCache, list[int]]:

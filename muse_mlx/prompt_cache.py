@@ -5,10 +5,14 @@ packs that share a prefix share its plane chunks on disk. A prompt restores the 
 entry whose tokens are a proper prefix of it and prefills only the rest.
 
 Rings cannot be rewound once wrapped, so an entry is a *checkpoint*: the slot's state after
-exactly its tokens. Checkpoints are written at every `every` positions of a prompt and at its
-end, always at a multiple of the prefill chunk: `Model.prefill` ends its chunks at multiples of
-the chunk in absolute positions, so prefilling from a checkpoint computes exactly the chunks a
-cold run computes, and the warm output is the cold output, bit for bit. A checkpoint costs its
+exactly its tokens. Checkpoints are written at every `every` positions of a prompt and at the
+last multiple of the prefill chunk before its last token: `Model.prefill` ends its chunks at
+multiples of the chunk in absolute positions, so prefilling from such a checkpoint computes
+exactly the chunks a cold run computes, and the warm output is the cold output, bit for bit.
+The prompt's exact end is stored too, with the logits of its last token (`last_logits`): the
+same prompt again restores it and samples its first token from those logits, with no prefill at
+all (the same bits: they are the logits the first run sampled from). An end that is not on a
+chunk multiple is used only for that prompt exactly, never as a prefix of a longer one. A checkpoint costs its
 rings (at the pinned geometry 39 x 2,048 rows x 1,024 B = 81.8 MB) and the plane chunks no
 earlier checkpoint holds. The folder is kept under a byte budget, least recently used first.
 """
@@ -23,9 +27,23 @@ import sys
 import time
 from pathlib import Path
 
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
 from . import kvpack
 from .geometry import PREFILL_CHUNK, Geometry
 from .kvpack import PackError
+
+
+class Hit(NamedTuple):
+    """What a lookup found: the restored cache (None: nothing usable), the prompt tokens it holds,
+    the restore's seconds, and, for the prompt's exact end, the logits of its last token."""
+    cache: object
+    reused: int
+    seconds: float
+    logits: np.ndarray | None = None
 
 
 class PromptCache:
@@ -47,9 +65,10 @@ class PromptCache:
     def _entries(self) -> list[Path]:
         return [p for p in (self.root / "entries").iterdir() if (p / "manifest.json").exists()]
 
-    def lookup(self, prompt: list[int], context: int):
-        """(cache, tokens reused, seconds) from the deepest usable checkpoint, or (None, 0, 0.0).
-        A corrupt entry is dropped with a warning and the next is tried."""
+    def lookup(self, prompt: list[int], context: int) -> Hit:
+        """The prompt's exact end with its logits if stored, else the deepest checkpoint on a chunk
+        multiple that is a proper prefix of it, restored; Hit(None, 0, 0.0) when none is. A corrupt
+        entry is dropped with a warning and the next is tried."""
         candidates = []
         for entry in self._entries():
             try:
@@ -60,20 +79,24 @@ class PromptCache:
                 continue
             m = pack.manifest
             n = m["offset"]
-            if (m["model"]["fingerprint"] == self.model_id["fingerprint"] and 0 < n < len(prompt)
-                    and m["tokens"] == prompt[:n]):
-                candidates.append((n, entry))
-        for n, entry in sorted(candidates, reverse=True):
+            if m["model"]["fingerprint"] != self.model_id["fingerprint"] or m["tokens"] != prompt[:n]:
+                continue
+            if n == len(prompt) and "last_logits" in m:
+                candidates.append((n + 1, entry, pack))     # the exact end first
+            elif 0 < n < len(prompt) and n % self.chunk == 0:
+                candidates.append((n, entry, pack))
+        for _, entry, pack in sorted(candidates, key=lambda c: c[0], reverse=True):
             t = time.perf_counter()
             try:
+                logits = kvpack.read_last_logits(pack) if pack.manifest["offset"] == len(prompt) else None
                 cache, _ = kvpack.restore(entry, self.geometry, self.model_id["fingerprint"], context)
             except PackError as exc:
                 self.warn(f"prompt cache: dropping a corrupt entry ({exc})")
                 shutil.rmtree(entry, ignore_errors=True)
                 continue
             os.utime(entry / "manifest.json")   # most recently used
-            return cache, n, time.perf_counter() - t
-        return None, 0, 0.0
+            return Hit(cache, pack.manifest["offset"], time.perf_counter() - t, logits)
+        return Hit(None, 0, 0.0)
 
     # ---- prefill with checkpoints ----
 
@@ -86,16 +109,27 @@ class PromptCache:
             points.append(end)
         return points
 
-    def prefill(self, model, prompt: list[int], cache, start: int):
+    def prefill(self, model, prompt: list[int], cache, start: int, progress=None):
         """Prefill prompt[start:] into `cache` (holding prompt[:start]), saving checkpoints on the
-        way; the logits of the prompt's last token."""
+        way and the prompt's end with its last logits; the logits of the prompt's last token.
+        progress: called with (tokens done after start, tokens to do)."""
         known: dict = {}
         at = start
+
+        def piece(a: int, b: int):
+            report = None if progress is None else (lambda d, n: progress(a - start + d, len(prompt) - start))
+            return model.prefill(prompt[a:b], cache, self.chunk, progress=report)
         for point in self.checkpoints(start, len(prompt)):
-            model.prefill(prompt[at:point], cache, self.chunk)
+            piece(at, point)
             at = point
             known = self.store(cache, prompt[:point], known)
-        return model.prefill(prompt[at:], cache, self.chunk)
+        logits = piece(at, len(prompt))
+        self.store_end(cache, prompt, logits, known)
+        return logits
+
+    def store_end(self, cache, prompt: list[int], logits, known: dict | None = None) -> None:
+        """Store the cache holding exactly `prompt` with `logits`, those of its last token."""
+        self.store(cache, prompt, known or {}, last_logits=np.array(logits.astype(mx.float32)))
 
     # ---- store and evict ----
 
@@ -103,19 +137,25 @@ class PromptCache:
         h = hashlib.sha256(self.model_id["fingerprint"].encode() + json.dumps(tokens).encode())
         return h.hexdigest()[:32]
 
-    def store(self, cache, tokens: list[int], known: dict) -> dict:
+    def store(self, cache, tokens: list[int], known: dict, last_logits=None) -> dict:
         """Save the cache (holding exactly `tokens`) as an entry; its blobs become links into the
         store. Returns the plane chunks now known, for the next checkpoint of this cache."""
         entry = self.root / "entries" / self._entry_id(tokens)
         if (entry / "manifest.json").exists():
-            return known
+            try:
+                has_logits = "last_logits" in kvpack.read_manifest(entry).manifest
+            except PackError:
+                has_logits = False   # corrupt: written again below
+            else:
+                if last_logits is None or has_logits:
+                    return known
         shutil.rmtree(entry, ignore_errors=True)
         (entry / "blobs").mkdir(parents=True)
         store = self.root / "blobs"
         for name, _ in known.values():
             if (store / f"{name}.safetensors").exists():
                 os.link(store / f"{name}.safetensors", entry / "blobs" / f"{name}.safetensors")
-        kvpack.save(cache, tokens, self.model_id, entry, known_chunks=known)
+        kvpack.save(cache, tokens, self.model_id, entry, known_chunks=known, last_logits=last_logits)
         for blob in (entry / "blobs").iterdir():
             shared = store / blob.name
             if shared.exists():

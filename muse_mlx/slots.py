@@ -97,6 +97,7 @@ class Slot:
         self.stop: StopMatcher | None = None
         self.tokens: list[int] = []           # what the cache holds
         self.restored = False                 # holds a restored pack: a request extending its tokens reuses it
+        self.cached = 0                       # the request's prompt tokens it did not prefill (usage's cached_tokens)
 
     def describe(self) -> dict:
         return {"id": self.index, "state": self.state, "n_ctx": self.cache.context, "n_past": self.cache.offset,
@@ -213,10 +214,17 @@ class Scheduler:
         if slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
             start = len(slot.tokens)   # the request extends the pack restored here (a handoff)
         elif self.prompt_cache is not None:
-            cache, start, _ = self.prompt_cache.lookup(request.prompt_ids, self.context)
-            if cache is not None:
-                slot.cache = cache
-        slot.restored = False
+            hit = self.prompt_cache.lookup(request.prompt_ids, self.context)
+            if hit.cache is not None:
+                slot.cache, start = hit.cache, hit.reused
+            if hit.logits is not None:   # the prompt's exact end: nothing to prefill
+                slot.restored, slot.cached = False, n
+                slot.tokens, slot.pending = list(request.prompt_ids), []
+                slot.logits, slot.state = mx.array(hit.logits), "decode"
+                if request.max_tokens == 0:
+                    self._finish(slot, "length")
+                return
+        slot.restored, slot.cached = False, start
         if start == 0:
             slot.cache.reset()
         slot.tokens = list(request.prompt_ids[:start])
@@ -234,6 +242,8 @@ class Scheduler:
             self.prompt_cache.store(slot.cache, list(slot.tokens), {})
         if not slot.pending:
             slot.logits, slot.state = logits[-1], "decode"
+            if self.prompt_cache is not None:
+                self.prompt_cache.store_end(slot.cache, list(slot.tokens), slot.logits)
             if slot.request.max_tokens == 0:
                 self._finish(slot, "length")
 
@@ -293,7 +303,8 @@ class Scheduler:
                     request.emit({"text": tail})
             request.emit({"finish_reason": reason, "usage": {
                 "prompt_tokens": len(request.prompt_ids), "completion_tokens": slot.generated,
-                "total_tokens": len(request.prompt_ids) + slot.generated}})
+                "total_tokens": len(request.prompt_ids) + slot.generated,
+                "prompt_tokens_details": {"cached_tokens": slot.cached}}})
         self._release(slot)
 
     def _release(self, slot: Slot) -> None:

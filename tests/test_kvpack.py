@@ -270,14 +270,46 @@ def test_warm_prompt_cache_output_is_the_cold_output(model, model_id, tmp_path, 
     warned = []
     pc = PromptCache(tmp_path / "pc", model_id, model.geometry, every=64, chunk=32, warn=warned.append)
     first, second = prompt(170, seed=3), prompt(150, seed=3) + prompt(60, seed=8)
-    for ids in (first, second):
-        cache, reused, _ = pc.lookup(ids, 4 * W + 64)
-        cache = cache or model.make_cache(4 * W + 64)
-        logits = pc.prefill(model, ids, cache, reused)
+    reused = []
+    for ids in (first, second, first):
+        hit = pc.lookup(ids, 4 * W + 64)
+        reused.append(hit.reused)
+        if hit.logits is not None:      # the prompt's exact end: its last logits, no prefill
+            cache, logits = hit.cache, mx.array(hit.logits).reshape(1, -1)
+        else:
+            cache = hit.cache or model.make_cache(4 * W + 64)
+            logits = pc.prefill(model, ids, cache, hit.reused)
         warm = list(decode_tokens(model, cache, logits[-1], Sampler(s), 12))
         cold, cold_logits = cold_tokens(model, ids, s, 12, chunk=32)
-        assert np.array_equal(np.array(logits), np.array(cold_logits)) and warm == cold
-    assert reused == 128 and not warned     # the first prompt's checkpoints: 64, 128, 160
+        assert np.array_equal(np.array(logits[-1]), np.array(cold_logits[-1])) and warm == cold
+    # the first prompt's checkpoints: 64, 128, 160 and its end (170, with logits; not a prefix of
+    # the second, which shares 150); the first again: its end
+    assert reused == [0, 128, 170] and not warned
+
+
+def test_a_pack_keeps_its_last_logits_checked(model, model_id, tmp_path):
+    """last_logits: float32 whatever the encoding, in the seal and the blob list, hash-checked;
+    non-finite ones are refused when saving."""
+    ids = prompt(40, seed=21)
+    cache = model.make_cache(128)
+    logits = np.array(model.prefill(ids, cache))[-1]
+    for enc in ("f16", "f32"):
+        out = kvpack.save(cache, ids, model_id, tmp_path / enc, encoding=enc, last_logits=logits)
+        pack = kvpack.verify(out, model.geometry, model_id["fingerprint"])
+        m = pack.manifest
+        assert np.array_equal(kvpack.read_last_logits(pack), logits)
+        assert len(pack.blob_names()) == len(m["plane_chunks"]) + len(m["ring_groups"]) + 1
+    assert kvpack.read_last_logits(kvpack.read_manifest(kvpack.save(cache, ids, model_id, tmp_path / "none"))) is None
+    blob = tmp_path / "f16" / "blobs" / f"{kvpack.read_manifest(tmp_path / 'f16').manifest['last_logits']['blob']}.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 1
+    blob.write_bytes(bytes(data))
+    with pytest.raises(kvpack.PackError, match="does not hash"):
+        kvpack.read_last_logits(kvpack.read_manifest(tmp_path / "f16"))
+    bad = logits.copy()
+    bad[3] = np.nan
+    with pytest.raises(kvpack.PackError, match="finite"):
+        kvpack.save(cache, ids, model_id, tmp_path / "nan", last_logits=bad)
 
 
 def test_a_corrupt_prompt_cache_entry_is_dropped_with_a_warning(model, model_id, tmp_path):
@@ -292,8 +324,8 @@ def test_a_corrupt_prompt_cache_entry_is_dropped_with_a_warning(model, model_id,
         data[-1] ^= 1
         with open(blob, "r+b") as f:
             f.write(bytes(data))
-    cache, reused, _ = pc.lookup(ids + [1, 2], 256)
-    assert cache is None and reused == 0 and len(warned) == 2 and "corrupt" in warned[0]
+    cache, reused, _, logits = pc.lookup(ids, 256)   # the end (100, with logits), then 96 and 64
+    assert cache is None and reused == 0 and logits is None and len(warned) == 3 and "corrupt" in warned[0]
     assert not any((tmp_path / "pc" / "entries").iterdir())
 
 
@@ -330,7 +362,12 @@ def test_generate_save_and_load_kv_reproduce_the_cold_run(f32_fixture, tmp_path)
     warm = [run_cli("--model", str(f32_fixture), "-p", text, "-m", "10", "--prompt-cache", str(tmp_path / "pc"))
             for _ in range(2)]
     assert [w.stdout for w in warm] == [cold.stdout] * 2
-    assert "reused 0 of" in warm[0].stderr and f"reused {restored} of" in warm[1].stderr
+    assert "reused 0 of" in warm[0].stderr
+    assert f"reused {n_prompt} of {n_prompt}" in warm[1].stderr and "nothing to prefill" in warm[1].stderr
+    longer = text + " w400 w401"   # extends the prompt: the checkpoint on a chunk multiple, not the end
+    warm_longer = run_cli("--model", str(f32_fixture), "-p", longer, "-m", "10", "--prompt-cache", str(tmp_path / "pc"))
+    assert warm_longer.stdout == run_cli("--model", str(f32_fixture), "-p", longer, "-m", "10").stdout
+    assert f"reused {restored} of" in warm_longer.stderr
     bad = run_cli("--model", str(f32_fixture), "-p", "something else", "--load-kv", str(tmp_path / "kv"))
     assert bad.returncode == 2 and "not a proper prefix" in bad.stderr and len(bad.stderr.splitlines()) == 1
 

@@ -330,3 +330,25 @@ def test_handoff_between_servers_ships_only_what_the_receiver_lacks(f32_fixture,
         for p in (a, b):
             p.terminate()
             p.wait(timeout=30)
+
+
+def test_automatic_prompt_reuse_equals_the_solo_runs(f32_fixture, solo, tmp_path):
+    """--prompt-cache: a repeated prompt restores its exact end (no prefill); a longer one may only
+    start from a checkpoint on a chunk multiple; each answer equals the solo run, and usage says
+    how many prompt tokens came from the cache (OpenAI's prompt_tokens_details.cached_tokens)."""
+    proc, base = start_server(f32_fixture, "--prompt-cache", str(tmp_path / "pc"), parallel=1)
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        ids = prompt_ids(140, 41)
+        longer = ids + prompt_ids(30, 42)
+        cached = []
+        for p in (ids, ids, longer):
+            r = c.completions.create(model="m", prompt=p, max_tokens=10, temperature=0)
+            assert r.choices[0].text == solo(p, 10)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        # the first prompt's end (140) is no multiple of the prefill chunk (512), so the longer
+        # prompt may not start from it (its chunks would differ from a cold run's): it prefills all
+        assert cached == [0, 140, 0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
