@@ -205,3 +205,18 @@ def test_generate_with_no_model_prints_english():
     common = {"the", "a", "of", "is", "to", "and", "in", "list", "for", "an"}
     assert len(words) >= 15 and sum(w.lower().strip(".,:") in common for w in words) >= 5, out.stdout
     assert all(c.isascii() for c in out.stdout), out.stdout
+
+
+@pytest.mark.parametrize("tool,args,fragment", [
+    ("corpus", ["/nonexistent", "OUT"], "unpack python3.11-doc"),
+    ("tiny_data", ["/nonexistent", "OUT"], "train.txt is missing"),
+    ("tiny_train", ["/nonexistent", "OUT"], "train.npy is missing"),
+    ("tiny_train", ["/nonexistent", "OUT", "--steps", "0"], "must be >= 1"),
+    ("tiny_export", ["/nonexistent", "tok.json", "OUT"], "no weights-*.safetensors"),
+])
+def test_the_tiny_model_tools_refuse_bad_input_in_one_line(tool, args, fragment, tmp_path):
+    r = subprocess.run([sys.executable, "-m", f"muse_mlx.tools.{tool}", *[a.replace("OUT", str(tmp_path / "o"))
+                                                                        for a in args]],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and fragment in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not (tmp_path / "o").exists()

@@ -159,11 +159,12 @@ def pages(root: Path) -> list[Path]:
 def build(root, out) -> dict:
     """Unpacked python3.11-doc at `root` -> out/train.txt, out/heldout.txt, out/manifest.json."""
     root, out = Path(root), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     src = root / SOURCES
+    found = pages(root)
+    out.mkdir(parents=True, exist_ok=True)
     train, held = [], []
     names = {"train": [], "heldout": []}
-    for i, page in enumerate(pages(root)):
+    for i, page in enumerate(found):
         text = page_prose(page.read_text(encoding="utf-8"))
         if len(text) < 200:
             continue
@@ -186,9 +187,24 @@ def documents(text: str) -> list[str]:
     return [d.strip("\n") for d in text.split(DOCUMENT_SEPARATOR) if d.strip()]
 
 
-if __name__ == "__main__":
-    import sys
+def _command(argv=None) -> int:
+    from ..cli import Parser
+    from ..errors import MuseError
 
-    m = build(sys.argv[1], sys.argv[2])
+    ap = Parser(prog="python -m muse_mlx.tools.corpus", description=__doc__.splitlines()[0])
+    ap.add_argument("package_dir", help="an unpacked python3.11-doc (dpkg-deb -x)")
+    ap.add_argument("out", help="the folder for train.txt, heldout.txt, manifest.json")
+    args = ap.parse_args(argv)
+    try:
+        m = build(args.package_dir, args.out)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise MuseError(str(exc)) from None
     print(f"train {m['train_chars']:,} chars ({len(m['pages']['train'])} pages), "
           f"held out {m['heldout_chars']:,} chars ({len(m['pages']['heldout'])} pages)")
+    return 0
+
+
+if __name__ == "__main__":
+    from .. import cli
+
+    raise SystemExit(cli.run(_command))

@@ -82,7 +82,23 @@ def build(corpus_dir, out) -> dict:
     return counts
 
 
-if __name__ == "__main__":
-    import sys
+def _command(argv=None) -> int:
+    from ..cli import Parser
+    from ..errors import MuseError
 
-    print(build(sys.argv[1], sys.argv[2]))
+    ap = Parser(prog="python -m muse_mlx.tools.tiny_data", description=__doc__.splitlines()[0])
+    ap.add_argument("corpus", type=Path, help="tools/corpus.py's output folder")
+    ap.add_argument("out", type=Path)
+    args = ap.parse_args(argv)
+    for name in ("train.txt", "heldout.txt"):
+        if not (args.corpus / name).is_file():
+            raise MuseError(f"{args.corpus / name} is missing: make it with python -m muse_mlx.tools.corpus")
+    counts = build(args.corpus, args.out)
+    print(f"{counts['train']:,} training tokens, {counts['heldout']:,} held out; {args.out / 'tokenizer.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    from .. import cli
+
+    raise SystemExit(cli.run(_command))

@@ -9,13 +9,15 @@ through the pinned llama.cpp's own quantizer (tools/llamacpp.quantize, the parit
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from tokenizers import Tokenizer
 
+from .. import cli
+from ..cli import Parser
+from ..errors import MuseError
 from .fixture_vocab import FixtureVocab
 from .fixtures import encode, uniform_types, write_gguf
 from .tiny_data import vocabulary
@@ -44,13 +46,17 @@ def write_f16(weights_dir, tokenizer_json, path) -> Path:
     return write_gguf(path, g, uniform_types(g, QT.F16), producer, NAME, FixtureVocab(tokens, types, merges))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m muse_mlx.tools.tiny_export")
+def _command(argv=None) -> int:
+    ap = Parser(prog="python -m muse_mlx.tools.tiny_export", description=__doc__.splitlines()[0])
     ap.add_argument("weights", type=Path)
     ap.add_argument("tokenizer", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--quantize", default="Q8_0,Q4_K_M")
     args = ap.parse_args(argv)
+    if not sorted(args.weights.glob("weights-*.safetensors")):
+        raise MuseError(f"{args.weights}: no weights-*.safetensors (tools/tiny_train.py writes them)")
+    if not args.tokenizer.is_file():
+        raise MuseError(f"{args.tokenizer}: no such tokenizer file")
     f16 = write_f16(args.weights, args.tokenizer, args.out / "muse-glimmer-tiny-f16.gguf")
     print(f16, f16.stat().st_size)
     if args.quantize:
@@ -60,6 +66,10 @@ def main(argv=None) -> int:
             dst = quantize(f16, args.out / f"muse-glimmer-tiny-{ftype.lower()}.gguf", ftype)
             print(dst, dst.stat().st_size)
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
 
 
 if __name__ == "__main__":

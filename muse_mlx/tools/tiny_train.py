@@ -17,7 +17,6 @@ what makes the engine's numbers about this model mean anything.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -32,6 +31,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from .. import cli
+from ..cli import Parser
+from ..errors import MuseError
 from ..geometry import POST_NORM_EPS, Geometry
 from .receipts import make_receipt, write_receipt
 
@@ -274,8 +276,8 @@ def load_weights(paths) -> tuple[Geometry, dict[str, np.ndarray]]:
     return geometry, tensors
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m muse_mlx.tools.tiny_train")
+def _command(argv=None) -> int:
+    ap = Parser(prog="python -m muse_mlx.tools.tiny_train", description=__doc__.splitlines()[0])
     ap.add_argument("data", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -288,6 +290,11 @@ def main(argv=None) -> int:
                     help="seconds of training: the step count becomes min(--steps, what a timed probe says fits)")
     ap.add_argument("--geometry", default="", help="overrides of the tiny geometry, name=value,... (tests)")
     args = ap.parse_args(argv)
+    if min(args.steps, args.batch, args.seq_len, args.eval_every) < 1 or not args.lr > 0:
+        raise MuseError("--steps, --batch, --seq-len and --eval-every must be >= 1 and --lr > 0")
+    for name in ("train.npy", "heldout.npy"):
+        if not (args.data / name).is_file():
+            raise MuseError(f"{args.data / name} is missing: make it with python -m muse_mlx.tools.tiny_data")
     cfg = TrainConfig(seq_len=args.seq_len, batch=args.batch, steps=args.steps, eval_every=args.eval_every,
                       lr=args.lr, warmup=min(TrainConfig.warmup, max(1, args.steps // 10)))
     g = TINY_GEOMETRY
@@ -323,6 +330,10 @@ def main(argv=None) -> int:
     print(f"best held-out loss {result['best_held_out_loss']:.4f} (ppl {result['best_held_out_ppl']:.2f}) "
           f"at step {result['best_step']}; {result['train_seconds']} s", flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.run(_command, argv)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ run_bench() {  # TREE TAG [KERNEL_CONFIG]
   [ -f "$1/muse_mlx/tools/bench.py" ] || module=muse_mlx.bench
   (cd "$1" && export PYTHONPATH="$1:$PYTHONPATH" \
     MUSE_GIT_REVISION="$(cat "$1/.device/revision" 2>/dev/null || cat "$1/revision")" && \
-    eval timeout 150 python3 -m $module --model /tmp/bench.gguf --synthetic $BENCH_ARGS \
+    eval timeout 200 python3 -m $module --model /tmp/bench.gguf --synthetic $BENCH_ARGS \
     ${3:+--kernel-config "$3"} --receipt "$OUT/ab-$2.json") 2>&1 | grep -v "^$" | sed "s/^/[$2] /"
 }
 for round in 1 2; do
