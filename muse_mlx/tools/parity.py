@@ -6,7 +6,8 @@ kept at every position. Per lane we report max/mean |Δ log-prob|, KL(llama ‖ 
 mean and max, teacher-forced top-1 agreement, greedy continuation agreement, and —
 where both hold f16 K/V computed from the same weights — how many of layer 0's
 K/V elements are bit-identical to llama.cpp's (the f16 KV contract, read from
-llama.cpp's own state). Thresholds and their reasons: docs/parity.md.
+llama.cpp's own state). The verdict is refereed by the float64 oracle on the same
+dequantized weights (`referee`, ALLOWANCE); the rule and its reasons: docs/parity.md.
 """
 
 from __future__ import annotations
@@ -40,37 +41,35 @@ class Lane:
     why: str = ""
 
 
-# Thresholds: about 3-5x the values measured on the default fixture (docs/parity.md has
-# the measurements); tight where the two engines compute the same function, and by
-# agreement and KL where llama.cpp's CPU path quantizes activations and ours does not.
+# The verdict (docs/parity.md): the float64 oracle (tools/oracle.py) on the lane file's own
+# dequantized weights and the same tokens referees. Ours must be no farther from it than
+# llama.cpp is, plus ALLOWANCE (max |Δ log-prob|, nats: float32 noise, and the f16 rounding of
+# K/V where the lane keeps K/V in f16, whose rounding can flip where float64 and float32 sums
+# differ); agree with its top-1 at least as often; and every top-1 disagreement with llama.cpp
+# must be explained: our choice is the oracle's, or the oracle's log-probs of the two choices lie
+# within ALLOWANCE (a near-tie). The thresholds below are contracts beyond that, not tolerances:
+# the F32 lane is the same float32 graph on both sides (greedy text equal), and the F16-KV lane
+# must store layer 0's K/V with llama.cpp's bits.
+ALLOWANCE = {"f32": 1e-4, "f16": 3e-3}
+
 LANES = {lane.name: lane for lane in [
-    Lane("f32", "F32", "f32", "f32", False,
-         {"max_abs_dlogprob": ("<=", 1e-4), "top1": (">=", 1.0), "greedy_match": (">=", 1.0)},
+    Lane("f32", "F32", "f32", "f32", False, {"greedy_match": (">=", 1.0)},
          "F32 weights, F32 KV, flash attention off: the same graph in float32 on both sides."),
-    Lane("f16kv", "F32", "f16", "f16", True,
-         {"max_abs_dlogprob": ("<=", 6e-2), "kl_mean": ("<=", 2e-5), "top1": (">=", 0.98),
-          "kv_layer0_identical": (">=", 0.99)},
+    Lane("f16kv", "F32", "f16", "f16", True, {"kv_layer0_identical": (">=", 0.99)},
          "F32 weights, llama.cpp's default F16 KV (flash attention on): K/V rounded to f16 on both sides."),
-    Lane("f16", "F16", "f16", "f16", True,
-         {"kl_mean": ("<=", 2.5e-5), "top1": (">=", 0.98)},
+    Lane("f16", "F16", "f16", "f16", True, {},
          "F16 weights: llama.cpp rounds activations to f16 in its matmuls; we do not."),
-    Lane("bf16", "BF16", "f16", "f16", True,
-         {"kl_mean": ("<=", 3.5e-4), "top1": (">=", 0.95)},
+    Lane("bf16", "BF16", "f16", "f16", True, {},
          "BF16 weights: llama.cpp rounds activations to bf16 in its matmuls."),
-    Lane("q8_0", "Q8_0", "f16", "f16", True,
-         {"kl_mean": ("<=", 4e-3), "top1": (">=", 0.9)},
+    Lane("q8_0", "Q8_0", "f16", "f16", True, {},
          "Q8_0: llama.cpp quantizes activations to Q8_0 for the dot products."),
-    Lane("q6_k", "Q6_K", "f16", "f16", True,
-         {"kl_mean": ("<=", 8e-3), "top1": (">=", 0.88)},
+    Lane("q6_k", "Q6_K", "f16", "f16", True, {},
          "Q6_K: llama.cpp quantizes activations to Q8_K."),
-    Lane("q5_k_m", "Q5_K_M", "f16", "f16", True,
-         {"kl_mean": ("<=", 8e-3), "top1": (">=", 0.88)},
+    Lane("q5_k_m", "Q5_K_M", "f16", "f16", True, {},
          "Q5_K_M: Q5_K body, Q6_K output and more-bits layers; Q8_K activations in llama.cpp."),
-    Lane("q4_k_m", "Q4_K_M", "f16", "f16", True,
-         {"kl_mean": ("<=", 8e-3), "top1": (">=", 0.88)},
+    Lane("q4_k_m", "Q4_K_M", "f16", "f16", True, {},
          "Q4_K_M: Q4_K body, Q6_K output and more-bits layers; Q8_K activations in llama.cpp."),
-    Lane("nvfp4", "NVFP4", "f16", "f16", True,
-         {"kl_mean": ("<=", 4e-3), "top1": (">=", 0.9)},
+    Lane("nvfp4", "NVFP4", "f16", "f16", True, {},
          "NVFP4 written by the project (llama.cpp's quantizer refuses the ftype); Q8_0 activations in llama.cpp."),
 ]}
 
@@ -94,7 +93,21 @@ def write_nvfp4(src, dst) -> Path:
             return quantize_nvfp4(dequantize_numpy(t))
         return np.ascontiguousarray(t.data)
 
-    return write_gguf(dst, g, types, producer, "muse-glimmer NVFP4 (written by muse_mlx)")
+    return write_gguf(dst, g, types, producer, f"{model_name(src)}, NVFP4 (written by muse_mlx)")
+
+
+def model_name(path) -> str:
+    """general.name of a GGUF ('' when absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.name")
+    return str(field.contents()) if field is not None else ""
+
+
+def is_synthetic(path) -> bool:
+    """The fixtures' files (random or synthetic weights) name themselves so (tools/fixtures.py)."""
+    name = model_name(path).lower()
+    return "synthetic" in name or "random" in name
 
 
 def lane_file(lane: Lane, base: Path, workdir: Path) -> Path:
@@ -194,6 +207,31 @@ def kv_identity(cache, llama_state: dict, geometry) -> list[float]:
     return fractions
 
 
+def referee(ours: np.ndarray, ref: np.ndarray, oracle: np.ndarray, allowance: float) -> tuple[dict, dict]:
+    """Ours and llama.cpp's logits each against the float64 oracle's on the same tokens ->
+    (metrics, checks): the verdict's rule (see ALLOWANCE)."""
+    to_oracle, llama_to_oracle = logit_metrics(ours, oracle), logit_metrics(ref, oracle)
+    lx = log_softmax(oracle)
+    mine, theirs, best = ours.argmax(-1), ref.argmax(-1), oracle.argmax(-1)
+    rows = np.arange(len(ours))
+    near_tie = lx[rows, best] - lx[rows, mine] <= allowance
+    unexplained = (mine != theirs) & (mine != best) & ~near_tie
+    metrics = {"vs_oracle": to_oracle, "llama_vs_oracle": llama_to_oracle, "allowance": allowance,
+               "top1_disagreements_with_llama": int((mine != theirs).sum()),
+               "unexplained_disagreements": int(unexplained.sum()),
+               "unexplained_positions": [int(i) for i in np.flatnonzero(unexplained)[:20]]}
+    checks = {
+        "closer_to_oracle": {"value": to_oracle["max_abs_dlogprob"], "op": "<=",
+                             "bound": llama_to_oracle["max_abs_dlogprob"] + allowance,
+                             "pass": to_oracle["max_abs_dlogprob"] <= llama_to_oracle["max_abs_dlogprob"] + allowance},
+        "top1_vs_oracle": {"value": to_oracle["top1"], "op": ">=", "bound": llama_to_oracle["top1"],
+                           "pass": to_oracle["top1"] >= llama_to_oracle["top1"]},
+        "disagreements_explained": {"value": int(unexplained.sum()), "op": "<=", "bound": 0,
+                                    "pass": not unexplained.any()},
+    }
+    return metrics, checks
+
+
 def judge(metrics: dict, thresholds: dict) -> dict:
     checks = {}
     for name, (op, bound) in thresholds.items():
@@ -222,8 +260,10 @@ class LaneResult:
 
 def run_lane(lane: Lane, path: Path, tokens: np.ndarray, prefill: int, greedy_tokens: int,
              model=None) -> LaneResult:
-    """Compare our engine (optionally a given, e.g. fault-injected, model) with llama.cpp on one file."""
+    """Compare our engine (optionally a given, e.g. fault-injected, model) with llama.cpp on one file,
+    the float64 oracle refereeing."""
     from .llamacpp import LlamaCpp
+    from .oracle import ReferenceModel
     from ..model import load
 
     start = time.perf_counter()
@@ -245,8 +285,11 @@ def run_lane(lane: Lane, path: Path, tokens: np.ndarray, prefill: int, greedy_to
                        greedy_ours=ours_greedy, greedy_llama=llama_greedy)
     if kv is not None:
         metrics.update(kv_layer0_identical=kv[0], kv_identical_by_layer=kv)
+    oracle = ReferenceModel(str(path), kv_f16=lane.engine_kv == "f16").logits(tokens)
+    refereed, checks = referee(ours, ref, oracle, ALLOWANCE[lane.engine_kv])
+    metrics["referee"] = refereed
     return LaneResult(lane, Path(path), metrics, by_depth(ours, ref, g.sliding_window),
-                      judge(metrics, lane.thresholds), time.perf_counter() - start)
+                      {**checks, **judge(metrics, lane.thresholds)}, time.perf_counter() - start)
 
 
 def lane_receipt(result: LaneResult, tokens_info: dict, base: Path | None) -> dict:
@@ -254,7 +297,7 @@ def lane_receipt(result: LaneResult, tokens_info: dict, base: Path | None) -> di
 
     verdict = "pass" if result.passed else "fail"
     return make_receipt(
-        f"parity/{result.lane.name}", synthetic=True,
+        f"parity/{result.lane.name}", synthetic=is_synthetic(result.path),
         inputs={"lane": asdict(result.lane), "model": str(result.path), "model_sha256": file_sha256(result.path),
                 "base": str(base) if base else None, "base_sha256": file_sha256(base) if base else None,
                 "tokens": tokens_info},
@@ -264,16 +307,18 @@ def lane_receipt(result: LaneResult, tokens_info: dict, base: Path | None) -> di
 
 
 def table(results: list[LaneResult]) -> str:
-    head = f"{'lane':8} {'max|Δlp|':>9} {'mean|Δlp|':>9} {'KL mean':>9} {'KL max':>9} {'top1':>6} " \
-           f"{'greedy':>6} {'kv L0':>6}  verdict"
+    head = f"{'':8} {'vs llama.cpp':-^36} {'vs float64 oracle':-^36}\n" \
+           f"{'lane':8} {'max|Δlp|':>9} {'KL mean':>9} {'top1':>6} {'greedy':>6} {'ours':>9} {'llama':>9} " \
+           f"{'top1':>6} {'llama':>6} {'kv L0':>6}  verdict"
     lines = [head]
     for r in results:
-        m = r.metrics
+        m, x = r.metrics, r.metrics["referee"]
         kv = f"{m['kv_layer0_identical']:.3f}" if "kv_layer0_identical" in m else "-"
         greedy = f"{m['greedy_prefix']}/{len(m['greedy_ours'])}" if "greedy_prefix" in m else "-"
         failed = [k for k, c in r.checks.items() if not c["pass"]]
-        lines.append(f"{r.lane.name:8} {m['max_abs_dlogprob']:9.2e} {m['mean_abs_dlogprob']:9.2e} "
-                     f"{m['kl_mean']:9.2e} {m['kl_max']:9.2e} {m['top1']:6.3f} {greedy:>6} {kv:>6}  "
+        lines.append(f"{r.lane.name:8} {m['max_abs_dlogprob']:9.2e} {m['kl_mean']:9.2e} {m['top1']:6.3f} {greedy:>6} "
+                     f"{x['vs_oracle']['max_abs_dlogprob']:9.2e} {x['llama_vs_oracle']['max_abs_dlogprob']:9.2e} "
+                     f"{x['vs_oracle']['top1']:6.3f} {x['llama_vs_oracle']['top1']:6.3f} {kv:>6}  "
                      + ("pass" if r.passed else "FAIL: " + ", ".join(failed)))
     return "\n".join(lines)
 
@@ -355,7 +400,8 @@ def _command(argv=None) -> int:
                                          lane_receipt(result, tokens_info, base if args.derive_lanes else None),
                                          "--receipt-dir"))
     print(table(results))
-    print("receipts (synthetic fixture numbers):", ", ".join(str(w) for w in written))
+    label = " (synthetic fixture numbers)" if any(is_synthetic(r.path) for r in results) else ""
+    print(f"receipts{label}:", ", ".join(str(w) for w in written))
     return 0 if all(r.passed for r in results) else 1
 
 
