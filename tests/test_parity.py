@@ -113,6 +113,48 @@ def test_f16kv_lane_catches_unrounded_kv(f32_fixture, tokens):
     assert result.metrics["kv_layer0_identical"] < 0.01
 
 
+# ---- the referee on geometries the fixtures were not tuned on ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_q4_k_m(tmp_path_factory):
+    """llama.cpp's own Q4_K_M of a geometry unlike the default fixture's: hidden 512, 8:2 heads of
+    64, window 16, 12 layers (its CPU path drifts from the float64 oracle here: top-1 ~0.87)."""
+    from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, write_fixture
+    from muse_mlx.tools.llamacpp import quantize
+
+    d = tmp_path_factory.mktemp("wide")
+    g = DEFAULT_GEOMETRY.with_(n_layer=12, n_embd=512, n_head=8, n_head_kv=2, head_dim=64, rope_dim=64,
+                               sliding_window=16)
+    return quantize(write_fixture(d / "wide-f32.gguf", g), d / "wide-q4_k_m.gguf", "Q4_K_M")
+
+
+def test_the_referee_passes_a_correct_engine_where_llama_cpp_drifts(wide_q4_k_m, tokens):
+    result = run("q4_k_m", wide_q4_k_m, tokens)
+    assert result.passed, parity.table([result])
+    x = result.metrics["referee"]
+    assert x["vs_oracle"]["top1"] >= x["llama_vs_oracle"]["top1"] and x["vs_oracle"]["max_abs_dlogprob"] < 0.01
+
+
+def test_the_referee_still_fails_a_planted_fault_there(wide_q4_k_m, tokens):
+    result = run("q4_k_m", wide_q4_k_m, tokens, model=with_geometry(wide_q4_k_m, sliding_window=17))
+    assert not result.passed and not result.checks["closer_to_oracle"]["pass"], parity.table([result])
+
+
+def test_a_width_llama_cpp_quantizes_to_q5_0_is_refused_in_one_line(tmp_path):
+    """At hidden 384 llama.cpp's Q4_K_M falls back to Q5_0 for rows K-quants cannot take; the engine
+    does not read Q5_0 and says so, naming the tensor and the type (exit 2, one line)."""
+    from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, write_fixture
+    from muse_mlx.tools.llamacpp import quantize
+
+    g = DEFAULT_GEOMETRY.with_(n_embd=384, n_head=6, n_head_kv=2, head_dim=64, rope_dim=64)
+    q = quantize(write_fixture(tmp_path / "w384.gguf", g), tmp_path / "w384-q4_k_m.gguf", "Q4_K_M")
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.tools.parity", "--model", str(q), "--receipt-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "found Q5_0" in r.stderr and "tensor '" in r.stderr
+
+
 # ---- NVFP4: written by the project, proven by gguf-py and by llama.cpp -------------------
 
 

@@ -195,6 +195,35 @@ def test_the_default_model_agrees_with_llama_cpp(shipped):
     assert abs(np.mean(ours) - np.mean(theirs)) < 2e-3
 
 
+@pytest.mark.parity
+def test_the_default_model_passes_parity_refereed_by_the_oracle(shipped):
+    """The parity harness on real weights: the shipped Q8_0 lane on held-out text, 60 tokens
+    prefilled and 40 decoded, the float64 oracle refereeing (tools/parity.py)."""
+    from muse_mlx.tools import parity
+
+    model, tok, tokens = shipped
+    ids = np.array(tokens[:100])
+    result = parity.run_lane(parity.LANES["q8_0"], default_model_path(), ids, 60, 0, model=model)
+    assert result.passed, parity.table([result])
+    assert result.metrics["referee"]["vs_oracle"]["max_abs_dlogprob"] < 1e-2
+
+
+@pytest.mark.parity
+def test_llama_cpp_writes_the_same_greedy_text_from_the_default_model():
+    from muse_mlx.generate import DEFAULT_PROMPT
+    from muse_mlx.tools.llamacpp import LlamaCpp
+
+    n = 40
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--max-tokens", str(n)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with LlamaCpp(default_model_path(), n_ctx=128) as llama:
+        ids = llama.greedy(llama.tokenize(DEFAULT_PROMPT), n)
+        stop = next((i for i, t in enumerate(ids) if llama.is_eog(t)), n)
+        text = llama.detokenize(ids[:stop]).decode("utf-8", errors="replace")
+    assert r.stdout == text + "\n"
+
+
 def test_generate_with_no_model_prints_english():
     """The README's first command: the shipped model, greedy, prints words (the random fixture it
     replaced printed byte soup: fails this)."""
