@@ -26,7 +26,9 @@ from .tiny_train import load_weights
 NAME = "muse-glimmer tiny (trained on the Python 3.11 documentation)"
 
 
-def write_f16(weights_dir, tokenizer_json, path) -> Path:
+def write_f16(weights_dir, tokenizer_json, path, weight_type: QT = QT.F16) -> Path:
+    """The F16 GGUF (or, with weight_type F32, the same float16 values widened: the base parity's
+    --derive-lanes takes)."""
     g, tensors = load_weights(sorted(Path(weights_dir).glob("weights-*.safetensors")))
     tokens, types, merges = vocabulary(Tokenizer.from_file(str(tokenizer_json)))
     if len(tokens) != g.n_vocab:
@@ -43,7 +45,7 @@ def write_f16(weights_dir, tokenizer_json, path) -> Path:
             raise ValueError(f"{name}: {values.shape}, expected {expect}")
         return encode(values, qtype)
 
-    return write_gguf(path, g, uniform_types(g, QT.F16), producer, NAME, FixtureVocab(tokens, types, merges))
+    return write_gguf(path, g, uniform_types(g, weight_type), producer, NAME, FixtureVocab(tokens, types, merges))
 
 
 def _command(argv=None) -> int:
@@ -52,6 +54,7 @@ def _command(argv=None) -> int:
     ap.add_argument("tokenizer", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--quantize", default="Q8_0,Q4_K_M")
+    ap.add_argument("--f32", action="store_true", help="also write the F32 file (parity's --derive-lanes base)")
     args = ap.parse_args(argv)
     if not sorted(args.weights.glob("weights-*.safetensors")):
         raise MuseError(f"{args.weights}: no weights-*.safetensors (tools/tiny_train.py writes them)")
@@ -59,6 +62,9 @@ def _command(argv=None) -> int:
         raise MuseError(f"{args.tokenizer}: no such tokenizer file")
     f16 = write_f16(args.weights, args.tokenizer, args.out / "muse-glimmer-tiny-f16.gguf")
     print(f16, f16.stat().st_size)
+    if args.f32:
+        f32 = write_f16(args.weights, args.tokenizer, args.out / "muse-glimmer-tiny-f32.gguf", QT.F32)
+        print(f32, f32.stat().st_size)
     if args.quantize:
         from .llamacpp import quantize
 
