@@ -27,9 +27,12 @@ def test_default_model_runs_and_streams_only_text(f32_fixture):
     assert "\r" not in r.stderr   # no progress bar when stderr is not a terminal
     assert "12 tokens" in lines[2]
     # The same tokens through the API, decoded: stdout is exactly that text and a newline.
-    model = load(ensure_fixture())
+    from muse_mlx.default_model import default_model_path
+    from muse_mlx.generate import DEFAULT_PROMPT
+
+    model = load(default_model_path())
     tok = MuseTokenizer(model.artifact.vocabulary)
-    ids = tok.encode("The weights are a river.")
+    ids = tok.encode(DEFAULT_PROMPT)
     tokens = list(generate_tokens(model, model.make_cache(), ids, Sampler(SamplerSettings()), 12, tok.stop_ids))
     assert r.stdout == tok.decode(tokens) + "\n"
 
