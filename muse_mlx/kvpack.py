@@ -159,34 +159,49 @@ def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", c
     except OSError as exc:
         raise PackError(f"{out}: cannot create the pack ({exc.strerror})") from None
 
-    def arr(a: mx.array) -> np.ndarray:
-        return np.ascontiguousarray(np.array(a).astype(dt))
+    def arr(a) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(a).astype(dt, copy=False))
 
     full = [i for i in range(g.n_layer) if not g.is_swa(i)]
     swa = [i for i in range(g.n_layer) if g.is_swa(i)]
-    chunks = []
+    chunks, to_write = [], []
     for p0 in range(0, cache.offset, chunk_rows):
         n = min(chunk_rows, cache.offset - p0)
-        if known_chunks and (p0, n) in known_chunks and encoding == "f16":
-            name, size = known_chunks[(p0, n)]
-            if (blobs / f"{name}.safetensors").exists():
-                chunks.append({"first": p0, "rows": n, "blob": name, "bytes": size})
-                continue
-        tensors = {}
-        for i in full:
-            layer = cache.layers[i]
-            tensors[f"k.{i}"] = arr(layer.keys[:, p0:p0 + n, :])
-            tensors[f"v.{i}"] = arr(layer.values[:, p0:p0 + n, :])
-        name, size = _put_blob(blobs, tensors)
-        chunks.append({"first": p0, "rows": n, "blob": name, "bytes": size})
-    groups = []
-    for a in range(0, len(swa), RING_GROUP):
-        tensors = {}
-        for i in swa[a:a + RING_GROUP]:
-            k, v = cache.layers[i].held_rows()
-            tensors[f"k.{i}"], tensors[f"v.{i}"] = arr(k), arr(v)
-        name, size = _put_blob(blobs, tensors)
-        groups.append({"layers": swa[a:a + RING_GROUP], "blob": name, "bytes": size})
+        chunks.append({"first": p0, "rows": n})
+        known = known_chunks.get((p0, n)) if known_chunks and encoding == "f16" else None
+        if known and (blobs / f"{known[0]}.safetensors").exists():
+            chunks[-1].update(blob=known[0], bytes=known[1])
+        else:
+            to_write.append(chunks[-1])
+    # The rows to serialize, read out of MLX once a layer (not once a chunk), from the first
+    # chunk not already written; the blobs are then serialized, hashed and written on threads,
+    # a bounded number at a time.
+    lo = to_write[0]["first"] if to_write else cache.offset
+    rows = {i: (np.array(cache.layers[i].keys[:, lo:cache.offset, :]),
+                np.array(cache.layers[i].values[:, lo:cache.offset, :])) for i in full} if to_write else {}
+    groups = [{"layers": swa[a:a + RING_GROUP]} for a in range(0, len(swa), RING_GROUP)]
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        pending = []
+
+        def put(entry: dict, tensors: dict) -> None:
+            pending.append((entry, pool.submit(_put_blob, blobs, tensors)))
+            while len(pending) > 2 * READ_THREADS:
+                done, future = pending.pop(0)
+                done["blob"], done["bytes"] = future.result()
+
+        for c in to_write:
+            a, b = c["first"] - lo, c["first"] - lo + c["rows"]
+            put(c, {f"{kv}.{i}": arr(rows[i][j][:, a:b, :]) for i in full for j, kv in enumerate("kv")})
+        for grp in groups:
+            tensors = {}
+            for i in grp["layers"]:
+                k, v = cache.layers[i].held_rows()
+                tensors[f"k.{i}"], tensors[f"v.{i}"] = arr(np.array(k)), arr(np.array(v))
+            put(grp, tensors)
+        for entry, future in pending:
+            entry["blob"], entry["bytes"] = future.result()
+    chunks = [{"first": c["first"], "rows": c["rows"], "blob": c["blob"], "bytes": c["bytes"]} for c in chunks]
+    groups = [{"layers": grp["layers"], "blob": grp["blob"], "bytes": grp["bytes"]} for grp in groups]
     manifest = {
         "format": FORMAT, "model": dict(model_id), "geometry": geometry_fields(g), "context": cache.context,
         "encoding": encoding, "offset": cache.offset, "tokens": tokens, "chunk_rows": chunk_rows,
