@@ -22,16 +22,20 @@ class KernelConfig:
         per 16, 4..32).
     stream_groups: threadgroups of a streaming matvec; 0 = from the device (its multiprocessors
         times the groups that fit one by registers).
+    stream_batch: rows of x one streaming matvec takes in threadgroup memory (a packed step over
+        several slots; more rows are split over launches); 0 or 1 = products of several rows
+        take matvec.inc.
     """
 
     ring_chunk: int = 32
     plane_chunk: int = 128
     combine_warps: int = 0
     stream_groups: int = 0
+    stream_batch: int = 4
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
-                  "stream_groups": (0, 1 << 20)}
+                  "stream_groups": (0, 1 << 20), "stream_batch": (0, 4)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

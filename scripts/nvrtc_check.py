@@ -31,12 +31,15 @@ CASES = [
       for b in (1, 8)],
     *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
       for wt in ("float32", "float16", "bfloat16")],
-    *[(f"matvec_stream_{v}", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf), ("RB", k // 256 * rb)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210)) for k in (256, 4096, 6656, 19968) for rf in (2, 4)],
-    *[(f"matvec_stream_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
-       [("K", 19968), ("N", 6656), ("TPG", 320), ("R", 8), ("RF", 2), ("RB", 78 * rb), ("UP_OFF", 19968)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210))],
+    *[(f"matvec_stream{where}_{v}", ["uint8", "float32"], ["float32"],
+       [("K", k), ("N", 4096), ("B", b), ("XS", k), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf),
+        ("RB", k // 256 * rb)])
+      for v, rb in (("q4_k", 144), ("q6_k", 210)) for k in (256, 4096, 6656, 19968) for rf in (1, 2, 4)
+      for where, b in (("", 1), ("_shared", 2), ("_shared", 4))],
+    *[(f"matvec_stream{where}_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
+       [("K", 19968), ("N", 6656), ("B", b), ("XS", 39936), ("TPG", 320), ("R", 8), ("RF", 2), ("RB", 78 * rb),
+        ("UP_OFF", 19968)])
+      for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
     *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])
       for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],

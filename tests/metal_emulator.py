@@ -144,6 +144,8 @@ int main(int argc, char** argv) {
 REDEFINE = """
 #undef SHARED
 #define SHARED static
+#undef X_MEMORY
+#define X_MEMORY(name, n) static float4 name##_v4[(n) / 4]; float* name = (float*)name##_v4
 """
 
 

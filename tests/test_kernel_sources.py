@@ -115,13 +115,35 @@ def test_stream_groups_come_from_the_device_or_the_config():
     assert plan.stream_groups(128, METAL, KernelConfig()) == 64
 
 
+def test_rows_of_x_per_streaming_launch_fit_threadgroup_memory():
+    """A packed step's rows of x go to the streaming kernel's threadgroup memory, B x K floats:
+    on the H200 (227 KB a threadgroup) four rows at K = 4,096 and 6,656, two at 19,968 (the FFN
+    down projection); on Apple GPUs (32 KB) three at K = 2,048, two at 3,584, none from 4,096 on
+    (matvec.inc then); stream_batch bounds it, and 0 or 1 turns it off."""
+    h200 = Device("cuda", 132, 232448)
+    assert [plan.stream_batch_rows(k, h200, KernelConfig()) for k in (4096, 6656, 19968)] == [4, 4, 2]
+    assert [plan.stream_batch_rows(k, METAL, KernelConfig()) for k in (256, 2048, 3584, 4096, 6656)] == [4, 3, 2, 0, 0]
+    assert plan.stream_batch_rows(4096, h200, KernelConfig(stream_batch=2)) == 2
+    assert plan.stream_batch_rows(4096, h200, KernelConfig(stream_batch=1)) == 0
+    for k in (4096, 6656, 19968):
+        b = plan.stream_batch_rows(k, h200, KernelConfig())
+        _, memory, launch = plan.stream_launch(QT.Q4_K, k, 6656, "", 0, h200, KernelConfig(), b, k)
+        assert memory == 4 * b * k and memory + plan.STREAM_RED_BYTES <= h200.group_memory
+        assert launch["output_shapes"] == [(b, 6656)]
+        p = plan.stream_plan(QT.Q4_K, k, 6656, h200, KernelConfig(), b)
+        per_sm = -(-p.groups // h200.cores)
+        assert per_sm * (memory + plan.STREAM_RED_BYTES) <= h200.group_memory + plan.STREAM_RED_BYTES * per_sm
+        assert per_sm * plan.stream_threads(k) <= 2048
+
+
 def test_kernel_config_parses_and_rejects():
     """--kernel-config: defaults, values, and one clear error for each kind of mistake."""
     assert KernelConfig.parse("") == KernelConfig()
     c = KernelConfig.parse("ring_chunk=16, plane_chunk=512,combine_warps=6")
     assert (c.ring_chunk, c.plane_chunk, c.combine_warps, c.stream_groups) == (16, 512, 6, 0)
     for bad, fragment in [("ring_chunk", "name=value"), ("rows=8", "name=value"), ("ring_chunk=x", "integer"),
-                          ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0..")]:
+                          ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0.."),
+                          ("stream_batch=5", "0..4")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

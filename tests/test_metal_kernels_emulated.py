@@ -53,6 +53,37 @@ def test_streaming_matvec(metal, qtype, n, k):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("b, n, k", [(2, 37, 768), (4, 9, 2304), (3, 5, 256), (6, 21, 512)])
+def test_streaming_matvec_rows_in_threadgroup_memory(metal, qtype, b, n, k):
+    """Several rows of x through the streaming kernel's x_shared form (a packed step over slots):
+    each weight read once for the rows of a launch; 6 rows are two launches of at most 4."""
+    rng = np.random.default_rng([b, n, k, int(qtype), 7])
+    w = random_blocks(n, k, qtype, rng)
+    x = rng.standard_normal((b, k)).astype(np.float32)
+    assert plan.stream_batch_rows(k, metal.device, metal.config) >= 2
+    out = np.array(metal.matvec(mx.array(w), qtype, mx.array(x), init_value=NAN))
+    W = dense(w, qtype, n, k)
+    assert out.shape == (b, n) and np.isfinite(out).all()
+    assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_streaming_matvec_silu_rows(metal, qtype):
+    """The FFN down projection for 3 token rows of one stacked gate|up output (rows 2k apart)."""
+    n, k, b = 13, 512, 3
+    rng = np.random.default_rng([n, k, int(qtype), 11])
+    w = random_blocks(n, k, qtype, rng)
+    gu = (2 * rng.standard_normal((b, 2 * k))).astype(np.float32)
+    out = np.array(metal.matvec_silu(mx.array(w), qtype, mx.array(gu), mx.array(gu), up_offset=k,
+                                       init_value=NAN))
+    g64, u64 = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
+    act = g64 / (1 + np.exp(-g64)) * u64
+    W = dense(w, qtype, n, k)
+    assert out.shape == (b, n) and np.isfinite(out).all()
+    assert err_over_terms(out, act @ W.T, np.abs(act) @ np.abs(W).T) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_streaming_matvec_silu(metal, qtype):
     n, k = 21, 1024
     rng = np.random.default_rng([n, k, int(qtype), 9])

@@ -23,25 +23,26 @@ class Kernels:
         self.device, self.config = device, config
         self._build = build or source.build
 
-    def kernel(self, name: str):
-        return self._build(name, self.device.backend, 0)
+    def kernel(self, name: str, group_memory: int = 0):
+        return self._build(name, self.device.backend, group_memory)
 
     # ---- matrix products over raw GGUF blocks ----
 
     def matvec(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None) -> mx.array:
         """x (B, K) float32, 1 <= B <= MAX_BATCH; w the raw GGUF rows (N, row_bytes) uint8 -> (B, N) float32.
 
-        One row on a type with a streaming kernel takes it (matvec_stream.inc); otherwise
-        matvec.inc, which reads each weight once for all B rows. `init_value` pre-fills the
-        output (tests poison it with NaN to catch unwritten elements)."""
+        A type with a streaming kernel takes it (matvec_stream.inc): one row with x in
+        registers, several with x in threadgroup memory, as many rows a launch as
+        plan.stream_batch_rows allows; otherwise matvec.inc. Each reads each weight once for
+        all the rows of its launch. `init_value` pre-fills the output (tests poison it with NaN
+        to catch unwritten elements)."""
         B, K = x.shape
         if not 1 <= B <= plan.MAX_BATCH:
             raise ValueError(f"matvec takes 1..{plan.MAX_BATCH} rows, got {B}")
         x = x.astype(mx.float32)
         N = w.shape[0]
-        if B == 1 and plan.streams(qtype, K):
-            name, launch = plan.stream_launch(qtype, K, N, "", 0, self.device, self.config)
-            return self.kernel(name)(inputs=[w, x], init_value=init_value, **launch)[0]
+        if plan.streams(qtype, K) and (B == 1 or plan.stream_batch_rows(K, self.device, self.config)):
+            return self._stream(w, qtype, K, N, "", [x], 0, init_value)
         name, launch = plan.batch_launch(qtype, K, N, B)
         if qtype in plan.QUANT_VARIANTS:
             xs = x.reshape(B, K // 16, 16).sum(axis=-1)
@@ -51,12 +52,28 @@ class Kernels:
 
     def matvec_silu(self, w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset: int = 0,
                     init_value: float | None = None) -> mx.array:
-        """W @ (silu(gate) * up) for one token, the activation made inside the streaming kernel
-        (plan.streams(qtype, K) must hold). gate: K float32 values from its start; up: K from
-        `up_offset` (pass one stacked gate|up output as both, up_offset = K). -> (1, N) float32."""
+        """W @ (silu(gate) * up) for B token rows, the activation made inside the streaming kernel
+        (plan.streams(qtype, K) must hold, and for B > 1 stream_batch_rows(K) >= 2). gate, up:
+        (B, S) float32 of one row stride S; per row, gate's K values from its start and up's
+        from `up_offset` (pass one stacked gate|up output as both, up_offset = K). -> (B, N)."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
-        name, launch = plan.stream_launch(qtype, K, w.shape[0], "_silu", up_offset, self.device, self.config)
-        return self.kernel(name)(inputs=[w, gate, up], init_value=init_value, **launch)[0]
+        if gate.shape != up.shape:
+            raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
+        return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
+
+    def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,
+                init_value: float | None) -> mx.array:
+        """The streaming launches over the rows of xs (each (B, S)), stream_batch_rows at a time."""
+        B, stride = xs[0].shape
+        step = 1 if B == 1 else plan.stream_batch_rows(K, self.device, self.config)
+        outs = []
+        for b0 in range(0, B, step):
+            rows = min(step, B - b0)
+            part = [a if rows == B else a[b0:b0 + rows] for a in xs]
+            name, memory, launch = plan.stream_launch(qtype, K, N, act, up_offset, self.device, self.config,
+                                                      rows, stride)
+            outs.append(self.kernel(name, memory)(inputs=[w, *part], init_value=init_value, **launch)[0])
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     # ---- decode attention ----
 

@@ -17,6 +17,7 @@ MAX_BATCH = 8            # rows of x one matvec.inc launch takes (decode over sl
 ROWS_PER_GROUP = 4       # simdgroups (output rows) per threadgroup in matvec.inc
 COMBINE_WARPS = 4        # the fewest simdgroups merging one query head's splits
 STREAM_MAX_THREADS = 512   # 65,536 registers / 512 threads = 128 each; the kernels use 123-128 (ptxas, sm_90a)
+STREAM_RED_BYTES = 4096    # the streaming kernels' static threadgroup memory at most (red[2][B*R][NW])
 
 # The streaming one-token matvec (matvec_stream.inc): format name, rows per step R, rows loaded together RF.
 STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}
@@ -62,31 +63,55 @@ def stream_groups(threads: int, device: Device, config: KernelConfig) -> int:
     return device.cores * max(1, STREAM_MAX_THREADS // threads)
 
 
+def stream_batch_rows(K: int, device: Device, config: KernelConfig) -> int:
+    """Rows of x one batched streaming launch takes (x_shared: B x K floats of threadgroup
+    memory): at most config.stream_batch, as many as the device's threadgroup memory holds;
+    0 when fewer than 2 fit (products of several rows then take matvec.inc)."""
+    rows = min(config.stream_batch, (device.group_memory - STREAM_RED_BYTES) // (4 * K))
+    return rows if rows >= 2 else 0
+
+
 @lru_cache(maxsize=None)
-def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig) -> StreamPlan:
-    """The launch of a streaming matvec over N rows of length K (streams(qtype, K) must hold).
+def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, B: int = 1) -> StreamPlan:
+    """The launch of a streaming matvec over N rows of length K for B rows of x (streams(qtype, K)
+    must hold; B > 1: at most stream_batch_rows).
 
     A matrix with fewer row groups than multiprocessors (V: 256 rows, 32 groups of 8) would
     leave most of the GPU idle, each group working through its rows one after another: fewer
-    rows per group instead, down to 2 (docs/kernels.md)."""
+    rows per group instead, down to 2 (docs/kernels.md). With B rows of x each thread keeps B
+    sets of sums, so it loads RF / B rows of weights together (at least 1), and as many
+    threadgroups share a multiprocessor as its threadgroup memory holds (planning values, the
+    first H200 round measures them)."""
     _, R, RF = STREAM_VARIANTS[qtype]
+    RF = max(1, RF // B)
     while R > 2 and -(-N // R) < device.cores:
         R //= 2
         RF = min(RF, R)
-    return StreamPlan(R, RF, min(-(-N // R), stream_groups(stream_threads(K), device, config)))
+    threads = stream_threads(K)
+    if B == 1:
+        groups = stream_groups(threads, device, config)
+    elif config.stream_groups:
+        groups = config.stream_groups
+    else:
+        by_memory = device.group_memory // (4 * B * K + STREAM_RED_BYTES)
+        groups = device.cores * max(1, min(by_memory, STREAM_MAX_THREADS // threads))
+    return StreamPlan(R, RF, min(-(-N // R), groups))
 
 
 @lru_cache(maxsize=None)
 def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Device,
-                  config: KernelConfig) -> tuple[str, dict]:
-    """(kernel name, launch keywords) of a streaming matvec; act '' or '_silu'."""
+                  config: KernelConfig, B: int = 1, row_stride: int = 0) -> tuple[str, int, dict]:
+    """(kernel name, its threadgroup memory in bytes, launch keywords) of a streaming matvec over
+    B rows of x; act '' or '_silu'; row_stride: floats between x's rows (0: K)."""
     variant = STREAM_VARIANTS[qtype][0]
     tpg = stream_threads(K)
-    plan = stream_plan(qtype, K, N, device, config)
-    template = [("K", K), ("N", N), ("TPG", tpg), ("R", plan.rows), ("RF", plan.rows_loaded),
-                ("RB", K // 256 * ROW_BYTES_PER_256[qtype])] + ([("UP_OFF", up_offset)] if act else [])
-    return f"matvec_stream{act}_{variant}", dict(
-        template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(1, N)],
+    plan = stream_plan(qtype, K, N, device, config, B)
+    template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("TPG", tpg), ("R", plan.rows),
+                ("RF", plan.rows_loaded), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
+    template += [("UP_OFF", up_offset)] if act else []
+    where, memory = ("", 0) if B == 1 else ("_shared", 4 * B * K)
+    return f"matvec_stream{where}{act}_{variant}", memory, dict(
+        template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(B, N)],
         output_dtypes=[mx.float32], stream=mx.gpu)
 
 

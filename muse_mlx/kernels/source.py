@@ -28,11 +28,13 @@ KERNELS = {
     # matvec.inc: up to MAX_BATCH rows of x, any supported block type
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"]) for v in BATCH_FORMATS},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    # matvec_stream.inc: one token, x in registers, rows streamed from device memory; the _silu
-    # form makes silu(gate) * up in its prologue (the FFN down projection)
-    **{f"matvec_stream{act}_{v}": ("matvec_stream", ["prologue", xs, v, "x_registers", f"{v}_sums", "loop_direct",
-                                                     f"{v}_rows", "epilogue"], ["w", *inputs], ["y"])
+    # matvec_stream.inc: rows streamed from device memory, x for one token in registers or for
+    # B tokens in threadgroup memory (_shared); the _silu form makes silu(gate) * up in its
+    # prologue (the FFN down projection)
+    **{f"matvec_stream{where}{act}_{v}": ("matvec_stream", ["prologue", xs, v, f"x_{keep}", f"{v}_sums",
+                                                            "loop_direct", f"{v}_rows", "epilogue"], ["w", *inputs], ["y"])
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+       for where, keep in (("", "registers"), ("_shared", "shared"))
        for v in STREAM_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
     "attention_partial": ("attention", ["partial_butterfly"], ["q", "keys", "values", "params"],

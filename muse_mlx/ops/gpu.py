@@ -149,8 +149,11 @@ class GpuOps(ReferenceOps):
 
     def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
         rows = gate.array.shape[0]
-        if rows == 1 and w.raw and gate.offset == 0 and kplan.streams(w.qtype, w.n_in):
-            return self.kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset)
+        kernels = self.kernels
+        if (w.raw and gate.offset == 0 and gate.array.shape == up.array.shape and kplan.streams(w.qtype, w.n_in)
+                and (rows == 1 or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
+                and rows <= kplan.MAX_BATCH):
+            return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset)
         return super().down_silu(w, gate, up)
 
     def qk_post(self, q, k, v, q_norm, k_norm, rope, rope_half, g: Geometry, kv_dtype):

@@ -236,13 +236,33 @@ def test_matvec_stream_other_shapes(qtype, shape, groups):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(6656, 19968), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_matvec_silu(qtype, shape):
-    """The FFN down product with silu(gate) * up made inside the kernel."""
+@pytest.mark.parametrize("shape", [(6656, 19968), (8448, 6656), (6656, 4096), (256, 6656), (37, 768)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_matvec_stream_rows(qtype, shape, batch):
+    """Several rows of x through the streaming kernel with x in threadgroup memory (the packed
+    step over 2..4 slots): at K = 19,968 two rows fit a threadgroup (3 and 4 rows: two launches)."""
     n, k = shape
-    rng = np.random.default_rng([SEED, n, k, int(qtype), 5])
+    check_matvec("matvec_stream_rows", qtype, n, k, batch, np.random.default_rng([SEED, n, k, batch, int(qtype), 3]),
+                 rows_per_launch=plan.stream_batch_rows(k, KERNELS.device, KERNELS.config))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_matvec_inc_takes_rows_when_told(qtype):
+    """stream_batch=0: several rows of a streaming type take matvec.inc (the knob's other side)."""
+    check_matvec("matvec", qtype, 4096, 6656, 4, np.random.default_rng([SEED, int(qtype), 4]),
+                 kernels=Kernels(gpu_device(), KernelConfig(stream_batch=0)), stream_batch=0)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(6656, 19968), (37, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_matvec_silu(qtype, shape, rows):
+    """The FFN down product with silu(gate) * up made inside the kernel, for 1 and 3 token rows."""
+    n, k = shape
+    rng = np.random.default_rng([SEED, n, k, int(qtype), 5, rows])
     w = mx.array(random_blocks(n, k, qtype, rng))
-    gate, up = (rng.standard_normal((1, k)).astype(np.float32) * 2 for _ in range(2))
+    gate, up = (rng.standard_normal((rows, k)).astype(np.float32) * 2 for _ in range(2))
     gu = mx.array(np.concatenate([gate, up], axis=1))  # one stacked gate|up output, as the model passes it
     out = np.array(KERNELS.matvec_silu(w, qtype, gu, gu, up_offset=k, init_value=float("nan")))
     g64 = gate.astype(np.float64)
@@ -251,7 +271,7 @@ def test_matvec_silu(qtype, shape):
     ref = act @ dense.T
     err = product_err(out.astype(np.float64), ref, np.abs(act) @ np.abs(dense).T)
     ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("matvec_silu", qtype=qtype.name, n=n, k=k, err_over_terms=err, **{"pass": ok})
+    record("matvec_silu", qtype=qtype.name, n=n, k=k, rows=rows, err_over_terms=err, **{"pass": ok})
     assert ok, err
 
 
