@@ -37,3 +37,4 @@ inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
 // plans within it); TG(T) qualifies a pointer into it.
 #define X_MEMORY(name, n) threadgroup float4 name##_v4[(n) / 4]; threadgroup float* name = (threadgroup float*)name##_v4
 #define TG(T) threadgroup T
+#define LOAD_TG_F4(p) (*((threadgroup float4*)(p)))

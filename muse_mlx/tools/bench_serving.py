@@ -160,6 +160,22 @@ def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dic
             "per_sequence_tok_s": agg["mean"] / batch}
 
 
+def _fingerprint(path: str, work: Path, metrics: dict) -> dict:
+    """The model's kvpack identity, its first computation and a cached one timed into metrics."""
+    from .. import kvpack
+
+    t = time.perf_counter()
+    fid = kvpack.fingerprint(path, work / "fingerprints")
+    metrics["fingerprint_first_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    kvpack.fingerprint(path, work / "fingerprints")
+    metrics["fingerprint_cached_s"] = time.perf_counter() - t
+    metrics["file_bytes"] = Path(path).stat().st_size
+    print(f"fingerprint: {metrics['fingerprint_first_s']:.2f} s first, {metrics['fingerprint_cached_s'] * 1e3:.1f} ms "
+          f"cached ({metrics['file_bytes'] / 1e9:.2f} GB)", flush=True)
+    return {"fingerprint": fid, "architecture": "muse-glimmer"}
+
+
 def _command(argv=None) -> int:
     p = Parser(prog="python -m muse_mlx.tools.bench_serving", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a muse-glimmer GGUF")
@@ -178,7 +194,6 @@ def _command(argv=None) -> int:
     warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
     if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
         raise MuseError("--warm and --batch values and --decode-tokens must be >= 1, --depth >= 0")
-    from .. import kvpack
     from ..model import load
     from .receipts import make_receipt, write_receipt
 
@@ -189,17 +204,9 @@ def _command(argv=None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="muse-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        t = time.perf_counter()
-        fid = kvpack.fingerprint(args.model, work / "fingerprints")
-        metrics["fingerprint_first_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        kvpack.fingerprint(args.model, work / "fingerprints")
-        metrics["fingerprint_cached_s"] = time.perf_counter() - t
-        metrics["file_bytes"] = Path(args.model).stat().st_size
-        print(f"fingerprint: {metrics['fingerprint_first_s']:.2f} s first, {metrics['fingerprint_cached_s'] * 1e3:.1f} ms "
-              f"cached ({metrics['file_bytes'] / 1e9:.2f} GB)", flush=True)
-        model_id = {"fingerprint": fid, "architecture": "muse-glimmer"}
-        if warm:   # the kernels and the chunk's graph built once, before any cell is timed
+        model_id = {}
+        if warm:   # the model's identity; the kernels and the chunk's graph built once, before any cell is timed
+            model_id = _fingerprint(args.model, work, metrics)
             scratch = model.make_cache(PREFILL_CHUNK + 1)
             mx.eval(model.prefill(list(range(PREFILL_CHUNK)), scratch))
             del scratch
