@@ -116,19 +116,19 @@ def test_stream_groups_come_from_the_device_or_the_config():
 
 
 def test_rows_of_x_per_streaming_launch_fit_threadgroup_memory():
-    """A packed step's rows of x go to the streaming kernel's threadgroup memory, B x K floats:
-    on the H200 (227 KB a threadgroup) four rows at K = 4,096 and 6,656, two at 19,968 (the FFN
-    down projection); on Apple GPUs (32 KB) three at K = 2,048, two at 3,584, none from 4,096 on
-    (matvec.inc then); stream_batch bounds it, and 0 or 1 turns it off."""
+    """A packed step's rows of x go to the streaming kernel's threadgroup memory, 64 floats a row
+    and thread: on the H200 (227 KB a threadgroup) four rows at K = 4,096 and 6,656, two at
+    19,968 (the FFN down projection); on Apple GPUs (32 KB) three up to K = 2,048 (32 threads),
+    none from 2,049 on (matvec.inc then); stream_batch bounds it, and 0 or 1 turns it off."""
     h200 = Device("cuda", 132, 232448)
     assert [plan.stream_batch_rows(k, h200, KernelConfig()) for k in (4096, 6656, 19968)] == [4, 4, 2]
-    assert [plan.stream_batch_rows(k, METAL, KernelConfig()) for k in (256, 2048, 3584, 4096, 6656)] == [4, 3, 2, 0, 0]
+    assert [plan.stream_batch_rows(k, METAL, KernelConfig()) for k in (256, 2048, 3584, 4096, 6656)] == [3, 3, 0, 0, 0]
     assert plan.stream_batch_rows(4096, h200, KernelConfig(stream_batch=2)) == 2
     assert plan.stream_batch_rows(4096, h200, KernelConfig(stream_batch=1)) == 0
     for k in (4096, 6656, 19968):
         b = plan.stream_batch_rows(k, h200, KernelConfig())
         _, memory, launch = plan.stream_launch(QT.Q4_K, k, 6656, "", 0, h200, KernelConfig(), b, k)
-        assert memory == 4 * b * k and memory + plan.STREAM_RED_BYTES <= h200.group_memory
+        assert memory == 4 * 64 * b * plan.stream_threads(k) and memory + plan.STREAM_RED_BYTES <= h200.group_memory
         assert launch["output_shapes"] == [(b, 6656)]
         p = plan.stream_plan(QT.Q4_K, k, 6656, h200, KernelConfig(), b)
         per_sm = -(-p.groups // h200.cores)

@@ -22,8 +22,8 @@ STREAM_RED_BYTES = 4096    # the streaming kernels' static threadgroup memory at
 # The streaming one-token matvec (matvec_stream.inc): format name, rows per step R, rows loaded together RF.
 STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}
 # With B > 1 rows of x (x_shared): rows per step R by B, one row loaded at a time (RF = 1). ptxas
-# (sm_90a, K = 19,968): Q4_K 126 / 138 / 176 registers at B = 2 / 3 / 4, Q6_K 104 / 152 at
-# B = 2 / 3 and 186 at B = 4 with R = 4 (255 and spills with R = 8).
+# (sm_90a, scripts/nvrtc_check.py): Q4_K 102-126 / 138 / 176 registers at B = 2 / 3 / 4, Q6_K
+# 138 / 180 at B = 2 / 3 and 190 at B = 4 with R = 4 (255 and spills with R = 8); no spills.
 STREAM_BATCH_R = {QT.Q4_K: {2: 8, 3: 8, 4: 8}, QT.Q6_K: {2: 8, 3: 8, 4: 4}}
 ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
@@ -68,10 +68,13 @@ def stream_groups(threads: int, device: Device, config: KernelConfig) -> int:
 
 
 def stream_batch_rows(K: int, device: Device, config: KernelConfig) -> int:
-    """Rows of x one batched streaming launch takes (x_shared: B x K floats of threadgroup
-    memory): at most config.stream_batch, as many as the device's threadgroup memory holds;
+    """Rows of x one batched streaming launch takes (x_shared: B x 64 floats a thread of
+    threadgroup memory): at most config.stream_batch, as many as the device's threadgroup memory holds;
     0 when fewer than 2 fit (products of several rows then take matvec.inc)."""
-    rows = min(config.stream_batch, (device.group_memory - STREAM_RED_BYTES) // (4 * K))
+    threads = stream_threads(K)
+    if threads is None:
+        return 0
+    rows = min(config.stream_batch, (device.group_memory - STREAM_RED_BYTES) // (4 * 64 * threads))
     return rows if rows >= 2 else 0
 
 
@@ -97,7 +100,7 @@ def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig,
     elif config.stream_groups:
         groups = config.stream_groups
     else:
-        by_memory = device.group_memory // (4 * B * K + STREAM_RED_BYTES)
+        by_memory = device.group_memory // (4 * 64 * B * threads + STREAM_RED_BYTES)
         groups = device.cores * max(1, min(by_memory, STREAM_MAX_THREADS // threads))
     return StreamPlan(R, RF, min(-(-N // R), groups))
 
@@ -113,7 +116,7 @@ def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: D
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("TPG", tpg), ("R", plan.rows),
                 ("RF", plan.rows_loaded), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     template += [("UP_OFF", up_offset)] if act else []
-    where, memory = ("", 0) if B == 1 else ("_shared", 4 * B * K)
+    where, memory = ("", 0) if B == 1 else ("_shared", 4 * 64 * B * tpg)
     return f"matvec_stream{where}{act}_{variant}", memory, dict(
         template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(B, N)],
         output_dtypes=[mx.float32], stream=mx.gpu)
