@@ -8,7 +8,8 @@
 #   warm   a later call: tools/bench_serving.py's warm cells (WARM, default 2048,32768,65536; cold
 #          prefill up to COLD_MAX), llama-batched-bench on the same file (1..4 sequences), and the
 #          first-token process times of `generate --max-tokens 1` and `llama-completion -n 1`
-#          (twice each, the file in the page cache).
+#          (twice each, the file in the page cache); without a llama.cpp build started on this
+#          machine, the warm cells only.
 # Writes to $OUT: batch: nvidia-smi.txt, make-gguf.log, gpu-tests.log, verification.json,
 # slots-default.json / .log, slots-TAG.json / .log; warm: warm.json / .log,
 # llama-batched-bench.jsonl / .err, first-token.log.
@@ -37,6 +38,7 @@ batch)
 warm)
   timeout 300 python3 -m muse_mlx.tools.bench_serving --model /tmp/bench.gguf --synthetic --warm "${WARM:-2048,32768,65536}" \
     --cold-max "${COLD_MAX:-2048}" --batch '' --workdir /tmp/serving --receipt "$OUT/warm.json" 2>&1 | tee "$OUT/warm.log"
+  [ -d /tmp/llama ] || { echo "no llama.cpp build on this machine: warm cells only"; bash scripts/device/pack_out.sh; exit 0; }
   while [ ! -f /tmp/llama/build.rc ]; do sleep 2; done
   echo "llama.cpp build rc $(cat /tmp/llama/build.rc)"
   timeout 120 $LLAMA/llama-batched-bench -m /tmp/bench.gguf -ngl 99 -fa on -c 4096 -b 512 -ub 512 \
