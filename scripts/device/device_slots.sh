@@ -4,7 +4,8 @@
 #          unpacked, the llama.cpp build started in the background (LLAMA_TARGETS, exported), the
 #          bench GGUF written, the GPU checks GPU_TESTS / PYTEST_K, then tools/bench_serving.py's
 #          packed-step cells over 1..4 slots under the default kernel configuration and under each
-#          of BATCH_CONFIGS (space-separated "tag:KERNEL_CONFIG", e.g. "inc:stream_batch=0").
+#          of BATCH_CONFIGS (space-separated "tag:KERNEL_CONFIG", e.g. "inc:stream_batch=0"), each
+#          within BATCH_TIMEOUT seconds (300: at 200 the B = 4 cell of 2026-12-01 was cut).
 #   warm   a later call: tools/bench_serving.py's warm cells (WARM, default 2048,32768,65536; cold
 #          prefill up to COLD_MAX), llama-batched-bench on the same file (1..4 sequences), and the
 #          first-token process times of `generate --max-tokens 1` and `llama-completion -n 1`
@@ -30,7 +31,7 @@ batch)
   fi
   for v in "default:" ${BATCH_CONFIGS:-}; do
     tag=${v%%:*} config=${v#*:}
-    timeout 200 python3 -m muse_mlx.tools.bench_serving --model /tmp/bench.gguf --synthetic --warm '' \
+    timeout "${BATCH_TIMEOUT:-300}" python3 -m muse_mlx.tools.bench_serving --model /tmp/bench.gguf --synthetic --warm '' \
       --batch "${BATCH:-1,2,3,4}" --depth "${DEPTH:-0}" --kernel-config "$config" \
       --receipt "$OUT/slots-$tag.json" 2>&1 | tee "$OUT/slots-$tag.log"
   done
