@@ -4,9 +4,11 @@ step over 1..4 slots (issue 16), with a receipt.
 - warm: for a prompt of L tokens whose deepest stored checkpoint is at C = the last multiple of
   512 below L (prompt_cache.py's rule), the time to the first token when the pack is restored
   from disk and only L - C tokens are prefilled, against the cold prefill of all L (for
-  L <= --cold-max). Also the pack's save and restore rates (restored once with its blobs dropped
-  from the page cache, once from it) against the disk's own write / read and a host copy of the
-  same bytes, and the model fingerprint's first computation (kvpack.fingerprint).
+  L <= --cold-max), and the same prompt repeated: its exact end restored with its last logits
+  (prompt_cache's store_end), nothing prefilled. Also the pack's save and restore rates
+  (restored once with its blobs dropped from the page cache, once from it) against the disk's
+  own write / read and a host copy of the same bytes, and the model fingerprint's first
+  computation (kvpack.fingerprint).
 - batch: aggregate greedy tokens per second of the forward over B sequences x 1 token (the step the
   server's slots share), at a depth, pipelined as generate's loop is.
 
@@ -15,6 +17,7 @@ numbers are as synthetic as the GGUF they run on.
 
     python -m muse_mlx.tools.bench_serving --model X.gguf [--warm 2048,32768,65536] [--cold-max 2048]
         [--batch 1,2,3,4] [--depth 0] [--decode-tokens 48] [--workdir DIR] [--receipt OUT.json]
+        [--kernel-config stream_batch=0,...]
 """
 
 from __future__ import annotations
