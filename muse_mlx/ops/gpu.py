@@ -3,8 +3,9 @@
 Two regimes, by the number of token rows in the forward (B sequences x T tokens):
 
 - at most kernels.MAX_BATCH rows (decode over 1..4 slots, a speculative verify step): every
-  product reads the raw blocks in place (a streaming kernel for one row of Q4_K / Q6_K,
-  matvec.inc for the rest, each weight read once for all rows), the glue steps are fused
+  product reads the raw blocks in place (the streaming kernel for Q4_K / Q6_K, its rows of x in
+  registers or threadgroup memory; matvec.inc for the rest; each weight read once for the rows
+  of a launch), the glue steps are fused
   kernels (qk_post, residual_norm), and with T = 1 over f16 caches the attention is the split
   decode kernel (DecodeStep), inside one compiled step (model.Model compiles the forward
   for the DecodePlan's key);
