@@ -38,9 +38,10 @@ __device__ __forceinline__ float shuffle_idx(float v, int l) { return __shfl_syn
 // X_MEMORY(name, n) declares `name`, n floats; TG(T) qualifies a pointer into it.
 #define X_MEMORY(name, n) extern __shared__ float4 name##_v4[]; float* name = (float*)name##_v4
 #define TG(T) T
-// LOAD_TG_F4(p): 16 bytes of threadgroup memory as one volatile load, made where it is written:
-// a plain load of x_shared's rows, invariant across the row loop, is hoisted out of it by the
-// compiler, which then holds every row's x in registers (231 registers at 2 rows, spills at 4).
+// LOAD_TG_F4(p): 16 bytes of threadgroup memory as one volatile load, performed where the source
+// places it: a plain load of x_shared's rows, invariant across the row loop, is hoisted out of it
+// by the compiler, which then holds every row's x in registers (231 registers at 2 rows, spills
+// at 4).
 __device__ __forceinline__ float4 load_tg_f4(const float* p) {
   float4 v;
   asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
