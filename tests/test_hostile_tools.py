@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from muse_mlx.errors import MuseError
-from muse_mlx.tools import bench, envelope, footprint, parity, receipts
+from muse_mlx.tools import bench, bench_serving, envelope, footprint, parity, receipts
 
 PROC_MISSING = "/proc/muse-nope/receipt.json"  # a folder that does not exist, not creatable even by root
 PROC_UNWRITABLE = "/proc/muse-receipt.json"  # an existing folder no file can be created in, even by root
@@ -513,3 +513,18 @@ def test_bench_combine_still_works(tmp_path, capsys):
     assert bench.main(["--combine", str(a), str(b), "--receipt", str(out)]) == 0
     assert "ratio llama/ours 2.000" in capsys.readouterr().out
     assert json.loads(out.read_text())["metrics"]["ratios"][0]["ratio_llama_over_ours"] == 2.0
+
+
+# ---- bench_serving: the matvec cells' flags, refused before any model is loaded -----------------
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--matvec-rows", "9"], "--matvec-rows values must be 1..8"),
+    (["--matvec-rows", "2,x"], "--matvec-rows: expected comma-separated integers"),
+    (["--matvec-rows", "2", "--matvec-configs", "stream_batch_rf=2"], "needs a tag"),
+    (["--matvec-rows", "2", "--matvec-configs", "a:stream_batch_rf=3"], "stream_batch_rf must be 0, 1, 2, 4 or 8"),
+    (["--matvec-rows", "2", "--reference"], "the MLX-ops backend (--reference) has none"),
+])
+def test_bench_serving_matvec_flags(argv, says, capsys):
+    line = refused(bench_serving.main, ["--model", "/nonexistent/model.gguf", *argv], capsys)
+    assert says in line, line

@@ -136,6 +136,22 @@ def test_rows_of_x_per_streaming_launch_fit_threadgroup_memory():
         assert per_sm * plan.stream_threads(k) <= 2048
 
 
+def test_batched_stream_rows_per_pass():
+    """stream_batch_rf: the rows of weights decoded per pass over the B rows of x, the plan's by
+    default, capped at the rows per step (Q6_K at B = 4 steps 4 rows), never at B = 1."""
+    h200 = Device("cuda", 132, 232448)
+    default = plan.stream_plan(QT.Q4_K, 6656, 8704, h200, KernelConfig(), 2)
+    assert default.rows_loaded == plan.STREAM_BATCH_RF
+    for rf in (1, 2, 4, 8):
+        config = KernelConfig(stream_batch_rf=rf)
+        assert plan.stream_plan(QT.Q4_K, 6656, 8704, h200, config, 2).rows_loaded == rf
+        assert plan.stream_plan(QT.Q6_K, 6656, 8704, h200, config, 4).rows_loaded == min(rf, 4)
+        assert plan.stream_plan(QT.Q4_K, 6656, 8704, h200, config, 1) == plan.stream_plan(
+            QT.Q4_K, 6656, 8704, h200, KernelConfig(), 1)
+        name, _, launch = plan.stream_launch(QT.Q4_K, 6656, 8704, "", 0, h200, config, 3, 6656)
+        assert name == "matvec_stream_shared_q4_k" and ("RF", rf) in launch["template"]
+
+
 def test_kernel_config_parses_and_rejects():
     """--kernel-config: defaults, values, and one clear error for each kind of mistake."""
     assert KernelConfig.parse("") == KernelConfig()
@@ -143,7 +159,8 @@ def test_kernel_config_parses_and_rejects():
     assert (c.ring_chunk, c.plane_chunk, c.combine_warps, c.stream_groups) == (16, 512, 6, 0)
     for bad, fragment in [("ring_chunk", "name=value"), ("rows=8", "name=value"), ("ring_chunk=x", "integer"),
                           ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0.."),
-                          ("stream_batch=5", "0..4")]:
+                          ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2, 4 or 8"),
+                          ("stream_batch_rf=16", "0..8")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

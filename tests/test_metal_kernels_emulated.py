@@ -69,6 +69,24 @@ def test_streaming_matvec_rows_in_threadgroup_memory(metal, qtype, b, n, k):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rf", [2, 4])
+def test_streaming_matvec_rows_decoded_per_pass(metal, qtype, rf):
+    """stream_batch_rf: RF rows of weights decoded per pass over the rows of x in threadgroup
+    memory. Each row's sums keep their order, so the products equal RF = 1's bit for bit (and
+    the float64 terms). Enough rows that each group steps 8 at a time; the last group's end
+    off a multiple of RF."""
+    many = emulated_kernels(KernelConfig(stream_batch_rf=rf))
+    b, n, k = 3, 8 * many.device.cores + 5, 768
+    rng = np.random.default_rng([b, n, k, int(qtype), 8])
+    w, x = mx.array(random_blocks(n, k, qtype, rng)), mx.array(rng.standard_normal((b, k)).astype(np.float32))
+    assert plan.stream_plan(qtype, k, n, many.device, many.config, b).rows_loaded == rf
+    out = np.array(many.matvec(w, qtype, x, init_value=NAN))
+    assert np.array_equal(out, np.array(metal.matvec(w, qtype, x, init_value=NAN)))
+    W = dense(np.array(w), qtype, n, k)
+    assert err_over_terms(out, np.array(x) @ W.T, np.abs(np.array(x)) @ np.abs(W).T) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_streaming_matvec_silu_rows(metal, qtype):
     """The FFN down projection for 3 token rows of one stacked gate|up output (rows 2k apart)."""
     n, k, b = 13, 512, 3

@@ -21,10 +21,12 @@ STREAM_RED_BYTES = 4096    # the streaming kernels' static threadgroup memory at
 
 # The streaming one-token matvec (matvec_stream.inc): format name, rows per step R, rows loaded together RF.
 STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}
-# With B > 1 rows of x (x_shared): rows per step R by B, one row loaded at a time (RF = 1). ptxas
-# (sm_90a, scripts/nvrtc_check.py): Q4_K 102-126 / 138 / 176 registers at B = 2 / 3 / 4, Q6_K
-# 138 / 180 at B = 2 / 3 and 190 at B = 4 with R = 4 (255 and spills with R = 8); no spills.
+# With B > 1 rows of x (x_shared): rows per step R by B, and rows decoded per pass over x RF
+# (KernelConfig.stream_batch_rf overrides it, capped at R). ptxas (sm_90a, scripts/nvrtc_check.py)
+# at RF = 1: Q4_K 102-126 / 138 / 176 registers at B = 2 / 3 / 4, Q6_K 138 / 180 at B = 2 / 3 and
+# 190 at B = 4 with R = 4 (255 and spills with R = 8); at RF = 2, B = 2: Q4_K 128, Q6_K 167; no spills.
 STREAM_BATCH_R = {QT.Q4_K: {2: 8, 3: 8, 4: 8}, QT.Q6_K: {2: 8, 3: 8, 4: 4}}
+STREAM_BATCH_RF = 1
 ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
@@ -86,11 +88,12 @@ def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig,
     A matrix with fewer row groups than multiprocessors (V: 256 rows, 32 groups of 8) would
     leave most of the GPU idle, each group working through its rows one after another: fewer
     rows per group instead, down to 2 (docs/kernels.md). With B rows of x each thread keeps B
-    sets of sums: STREAM_BATCH_R rows a step, loaded one at a time, and as many threadgroups
-    share a multiprocessor as its threadgroup memory holds."""
+    sets of sums: STREAM_BATCH_R rows a step, STREAM_BATCH_RF (or the config's) decoded per pass
+    over x, and as many threadgroups share a multiprocessor as its threadgroup memory holds."""
     _, R, RF = STREAM_VARIANTS[qtype]
     if B > 1:
-        R, RF = STREAM_BATCH_R[qtype][B], 1
+        R = STREAM_BATCH_R[qtype][B]
+        RF = min(R, config.stream_batch_rf or STREAM_BATCH_RF)
     while R > 2 and -(-N // R) < device.cores:
         R //= 2
         RF = min(RF, R)

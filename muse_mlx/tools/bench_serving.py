@@ -11,13 +11,16 @@ step over 1..4 slots (issue 16), with a receipt.
   computation (kvpack.fingerprint).
 - batch: aggregate greedy tokens per second of the forward over B sequences x 1 token (the step the
   server's slots share), at a depth, pipelined as generate's loop is.
+- matvec rows: one step's matrix products alone (every raw matrix of the model, as launched;
+  the FFN down product through plain matvec, not its silu form) for B rows of x, under each of
+  --matvec-configs: the products' share of a packed step, and how a kernel setting moves it.
 
 The K/V rows are random f16 (SlotCache.fill_random): timing depends on sizes, not values; the
 numbers are as synthetic as the GGUF they run on.
 
     python -m muse_mlx.tools.bench_serving --model X.gguf [--warm 2048,32768,65536] [--cold-max 2048]
         [--batch 1,2,3,4] [--depth 0] [--decode-tokens 48] [--workdir DIR] [--receipt OUT.json]
-        [--kernel-config stream_batch=0,...]
+        [--kernel-config stream_batch=0,...] [--matvec-rows 1,2,3,4 --matvec-configs "tag:cfg;tag:cfg"]
 """
 
 from __future__ import annotations
@@ -163,6 +166,50 @@ def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dic
             "per_sequence_tok_s": agg["mean"] / batch}
 
 
+def matvec_rows_cell(model, rows: list[int], configs: list[tuple[str, KernelConfig]], tokens: int = 16,
+                     reps: int = 3) -> list[dict]:
+    """Per kernel configuration and row count B: milliseconds of one step's matrix products alone
+    (model.matrices(), each through Kernels.matvec with B rows of x), `tokens` steps pipelined."""
+    from ..kernels import Kernels
+
+    mats = [m for m in model.matrices() if m.raw]
+    out = []
+    for tag, config in configs:
+        kernels = Kernels(model.ops.kernels.device, config)
+        for b in rows:
+            xs = {m.n_in: mx.random.normal((b, m.n_in)) for m in mats}
+            mx.eval(list(xs.values()))
+
+            def once() -> float:
+                t = time.perf_counter()
+                for _ in range(tokens):
+                    ys = [kernels.matvec(m.data, m.qtype, xs[m.n_in]) for m in mats]
+                    mx.async_eval(ys)
+                mx.eval(ys)
+                return (time.perf_counter() - t) * 1e3 / tokens
+
+            once()
+            cell = {"config": tag, "kernel_config": dataclasses.asdict(config), "rows": b,
+                    "products": len(mats), "ms": _stats([once() for _ in range(reps)])}
+            out.append(cell)
+            print(f"matvecs [{tag}] {b} row(s): {cell['ms']['mean']:.3f} ms a step (CV {cell['ms']['cv']:.2%})",
+                  flush=True)
+            del xs
+            mx.clear_cache()
+    return out
+
+
+def parse_configs(text: str) -> list[tuple[str, KernelConfig]]:
+    """'tag:name=value,...;tag2:...' -> [(tag, KernelConfig)]; 'tag:' alone is the defaults."""
+    out = []
+    for item in filter(None, (i.strip() for i in text.split(";"))):
+        tag, colon, config = item.partition(":")
+        if not colon or not tag:
+            raise MuseError(f"--matvec-configs: {item!r} needs a tag, 'tag:name=value,...'")
+        out.append((tag, KernelConfig.parse(config)))
+    return out
+
+
 def _fingerprint(path: str, work: Path, metrics: dict) -> dict:
     """The model's kvpack identity, its first computation and a cached one timed into metrics."""
     from .. import kvpack
@@ -192,18 +239,26 @@ def _command(argv=None) -> int:
     p.add_argument("--synthetic", action="store_true")
     p.add_argument("--reference", action="store_true", help="the MLX-ops backend (CPU smoke runs)")
     p.add_argument("--kernel-config", default="", help="kernel tuning values, name=value,... (config.KernelConfig)")
+    p.add_argument("--matvec-rows", default="", help="row counts of the matvec cells ('' for none)")
+    p.add_argument("--matvec-configs", default="default:",
+                   help="kernel configurations of the matvec cells, 'tag:name=value,...;tag2:...'")
     args = p.parse_args(argv)
     kernel_config = KernelConfig.parse(args.kernel_config)
     warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
+    matvec_rows, matvec_configs = ints(args.matvec_rows, "--matvec-rows"), parse_configs(args.matvec_configs)
     if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
         raise MuseError("--warm and --batch values and --decode-tokens must be >= 1, --depth >= 0")
+    if any(not 1 <= v <= 8 for v in matvec_rows):
+        raise MuseError(f"--matvec-rows values must be 1..8, got {args.matvec_rows!r}")
+    if matvec_rows and args.reference:
+        raise MuseError("--matvec-rows times the GPU kernels; the MLX-ops backend (--reference) has none")
     from ..model import load
     from .receipts import make_receipt, write_receipt
 
     t = time.perf_counter()
     model = load(args.model, backend="reference" if args.reference else "gpu", kernel_config=kernel_config)
     metrics = {"load_s": time.perf_counter() - t, "kernel_config": dataclasses.asdict(kernel_config), "warm": [],
-               "batch": []}
+               "batch": [], "matvec_rows": []}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="muse-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -227,6 +282,8 @@ def _command(argv=None) -> int:
             metrics["disk"] = disk_rates(work, max(c["pack_payload_bytes"] for c in metrics["warm"]))
             print(f"disk: write {metrics['disk']['write_gbps']:.2f} GB/s, read {metrics['disk']['read_gbps']:.2f} "
                   f"GB/s, host copy {metrics['disk']['host_copy_gbps']:.2f} GB/s", flush=True)
+        if matvec_rows:
+            metrics["matvec_rows"] = matvec_rows_cell(model, matvec_rows, matvec_configs)
         for b in batches:
             cell = batch_cell(model, b, args.depth, args.decode_tokens)
             metrics["batch"].append(cell)

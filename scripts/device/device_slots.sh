@@ -5,14 +5,18 @@
 #          bench GGUF written, the GPU checks GPU_TESTS / PYTEST_K, then tools/bench_serving.py's
 #          packed-step cells over 1..4 slots under the default kernel configuration and under each
 #          of BATCH_CONFIGS (space-separated "tag:KERNEL_CONFIG", e.g. "inc:stream_batch=0"), each
-#          within BATCH_TIMEOUT seconds (300: at 200 the B = 4 cell of 2026-12-01 was cut).
+#          within BATCH_TIMEOUT seconds (300: at 200 the B = 4 cell of 2026-12-01 was cut);
+#          BATCH_DEFAULT="" skips the default configuration's cells. With MATVEC_CONFIGS
+#          ("tag:KERNEL_CONFIG;tag2:..."), first one step's matrix products alone at MATVEC_ROWS
+#          (1,2,3,4) rows under each (bench_serving --matvec-rows), and the configuration whose
+#          products over 2..4 rows took least is added to the batch cells as "best".
 #   warm   a later call: tools/bench_serving.py's warm cells (WARM, default 2048,32768,65536; cold
 #          prefill up to COLD_MAX), llama-batched-bench on the same file (1..4 sequences), and the
 #          first-token process times of `generate --max-tokens 1` and `llama-completion -n 1`
 #          (twice each, the file in the page cache); without a llama.cpp build started on this
 #          machine, the warm cells only.
 # Writes to $OUT: batch: nvidia-smi.txt, make-gguf.log, gpu-tests.log, verification.json,
-# slots-default.json / .log, slots-TAG.json / .log; warm: warm.json / .log,
+# matvecs.json / .log, slots-default.json / .log, slots-TAG.json / .log; warm: warm.json / .log,
 # llama-batched-bench.jsonl / .err, first-token.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,7 +33,23 @@ batch)
       ${PYTEST_K:+-k "$PYTEST_K"} -q -p no:cacheprovider -rf --tb=line > "$OUT/gpu-tests.log" 2>&1
     tail -8 "$OUT/gpu-tests.log"
   fi
-  for v in "default:" ${BATCH_CONFIGS:-}; do
+  if [ -n "${MATVEC_CONFIGS:-}" ]; then   # "tag:cfg;tag:cfg": one step's products alone at 1..4 rows under each
+    timeout "${MATVEC_TIMEOUT:-240}" python3 -m muse_mlx.tools.bench_serving --model /tmp/bench.gguf --synthetic \
+      --warm '' --batch '' --matvec-rows "${MATVEC_ROWS:-1,2,3,4}" --matvec-configs "$MATVEC_CONFIGS" \
+      --receipt "$OUT/matvecs.json" 2>&1 | tee "$OUT/matvecs.log"
+    # the configuration whose products over 2..4 rows took least, added to the batch cells as "best"
+    best=$(python3 -c 'import json, sys
+cells = json.load(open(sys.argv[1]))["metrics"]["matvec_rows"]
+configs = dict(i.split(":", 1) for i in sys.argv[2].split(";") if i)
+total = {}
+for c in cells:
+    if c["rows"] > 1:
+        total[c["config"]] = total.get(c["config"], 0) + c["ms"]["mean"]
+tag = min(total, key=total.get)
+print(f"best:{configs[tag]}")' "$OUT/matvecs.json" "$MATVEC_CONFIGS") && echo "matvec cells: $best" && \
+      BATCH_CONFIGS="${BATCH_CONFIGS:-} $best"
+  fi
+  for v in ${BATCH_DEFAULT-default:} ${BATCH_CONFIGS:-}; do
     tag=${v%%:*} config=${v#*:}
     timeout "${BATCH_TIMEOUT:-300}" python3 -m muse_mlx.tools.bench_serving --model /tmp/bench.gguf --synthetic --warm '' \
       --batch "${BATCH:-1,2,3,4}" --depth "${DEPTH:-0}" --kernel-config "$config" \
