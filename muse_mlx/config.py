@@ -27,8 +27,8 @@ class KernelConfig:
         take matvec.inc.
     stream_batch_rf: rows of weights a batched streaming matvec (B > 1 rows of x) decodes per pass
         over its x in threadgroup memory (each pass reads the B rows' x once: more rows, fewer
-        reads of threadgroup memory, more registers): 1, 2, 4 or 8, capped at the rows per step;
-        0 = the plan's (plan.STREAM_BATCH_RF).
+        reads of threadgroup memory, more registers): 1, 2 or 4, lowered where the rows per step
+        or the registers of a threadgroup would not allow it; 0 = the plan's (plan.STREAM_BATCH_RF).
     """
 
     ring_chunk: int = 32
@@ -41,13 +41,13 @@ class KernelConfig:
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
-                  "stream_batch_rf": (0, 8)}
+                  "stream_batch_rf": (0, 4)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise MuseError(f"kernel config {name} must be an integer {lo}..{hi}, got {value!r}")
         if self.stream_batch_rf & (self.stream_batch_rf - 1):
-            raise MuseError(f"kernel config stream_batch_rf must be 0, 1, 2, 4 or 8, got {self.stream_batch_rf}")
+            raise MuseError(f"kernel config stream_batch_rf must be 0, 1, 2 or 4, got {self.stream_batch_rf}")
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":

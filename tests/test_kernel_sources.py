@@ -138,11 +138,12 @@ def test_rows_of_x_per_streaming_launch_fit_threadgroup_memory():
 
 def test_batched_stream_rows_per_pass():
     """stream_batch_rf: the rows of weights decoded per pass over the B rows of x, the plan's by
-    default, capped at the rows per step (Q6_K at B = 4 steps 4 rows), never at B = 1."""
+    default, capped at the rows per step (Q6_K at B = 4 steps 4 rows), never at B = 1; and lowered
+    where a threadgroup's registers would pass the multiprocessor's (which fails the launch)."""
     h200 = Device("cuda", 132, 232448)
     default = plan.stream_plan(QT.Q4_K, 6656, 8704, h200, KernelConfig(), 2)
     assert default.rows_loaded == plan.STREAM_BATCH_RF
-    for rf in (1, 2, 4, 8):
+    for rf in (1, 2, 4):
         config = KernelConfig(stream_batch_rf=rf)
         assert plan.stream_plan(QT.Q4_K, 6656, 8704, h200, config, 2).rows_loaded == rf
         assert plan.stream_plan(QT.Q6_K, 6656, 8704, h200, config, 4).rows_loaded == min(rf, 4)
@@ -150,6 +151,19 @@ def test_batched_stream_rows_per_pass():
             QT.Q4_K, 6656, 8704, h200, KernelConfig(), 1)
         name, _, launch = plan.stream_launch(QT.Q4_K, 6656, 8704, "", 0, h200, config, 3, 6656)
         assert name == "matvec_stream_shared_q4_k" and ("RF", rf) in launch["template"]
+    # 416 threads (K = 26,624): Q6_K's 168 registers at RF = 2 would ask 69,888 of 65,536
+    assert plan.stream_batch_rows(26624, h200, KernelConfig()) == 2
+    rf2 = KernelConfig(stream_batch_rf=2)
+    assert plan.stream_plan(QT.Q6_K, 26624, 6656, h200, rf2, 2).rows_loaded == 1
+    assert plan.stream_plan(QT.Q4_K, 26624, 6656, h200, rf2, 2).rows_loaded == 2
+    assert plan.stream_plan(QT.Q4_K, 26624, 6656, h200, KernelConfig(stream_batch_rf=4), 2).rows_loaded == 2
+    for (qtype, b, rf), regs in plan.STREAM_BATCH_REGISTERS.items():   # every planned launch fits
+        for k in range(256, 32769, 256):
+            rows = plan.stream_batch_rows(k, h200, KernelConfig())
+            if b <= rows:
+                p = plan.stream_plan(qtype, k, 6656, h200, KernelConfig(stream_batch_rf=rf), b)
+                used = plan.STREAM_BATCH_REGISTERS[qtype, b, p.rows_loaded]
+                assert used * plan.stream_threads(k) <= plan.GROUP_REGISTERS, (qtype, b, rf, k)
 
 
 def test_kernel_config_parses_and_rejects():
@@ -159,8 +173,8 @@ def test_kernel_config_parses_and_rejects():
     assert (c.ring_chunk, c.plane_chunk, c.combine_warps, c.stream_groups) == (16, 512, 6, 0)
     for bad, fragment in [("ring_chunk", "name=value"), ("rows=8", "name=value"), ("ring_chunk=x", "integer"),
                           ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0.."),
-                          ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2, 4 or 8"),
-                          ("stream_batch_rf=16", "0..8")]:
+                          ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2 or 4"),
+                          ("stream_batch_rf=8", "0..4")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

@@ -21,12 +21,24 @@ STREAM_RED_BYTES = 4096    # the streaming kernels' static threadgroup memory at
 
 # The streaming one-token matvec (matvec_stream.inc): format name, rows per step R, rows loaded together RF.
 STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}
-# With B > 1 rows of x (x_shared): rows per step R by B, and rows decoded per pass over x RF
-# (KernelConfig.stream_batch_rf overrides it, capped at R). ptxas (sm_90a, scripts/nvrtc_check.py)
-# at RF = 1: Q4_K 102-126 / 138 / 176 registers at B = 2 / 3 / 4, Q6_K 138 / 180 at B = 2 / 3 and
-# 190 at B = 4 with R = 4 (255 and spills with R = 8); at RF = 2, B = 2: Q4_K 128, Q6_K 167; no spills.
+# With B > 1 rows of x (x_shared): rows per step R by B, and rows of weights decoded per pass over
+# x RF (KernelConfig.stream_batch_rf overrides it): RF = 2 took one step's products at B = 2 / 3 / 4
+# from 14.5 / 22.1 / 32.4 ms to 12.1 / 18.0 / 26.1 (H200, 2026-12-01, 2d74d6b, ledger).
 STREAM_BATCH_R = {QT.Q4_K: {2: 8, 3: 8, 4: 8}, QT.Q6_K: {2: 8, 3: 8, 4: 4}}
-STREAM_BATCH_RF = 1
+STREAM_BATCH_RF = 2
+# Registers a thread of the x_shared kernels takes, by (type, B, RF): ptxas, sm_90a, NVRTC 13.0 with
+# MLX 0.32.1's headers (scripts/nvrtc_check.py), the most over K = 4,096 / 6,656 / 19,968, plain and
+# silu forms. MLX launches without launch bounds, so a threadgroup must fit the multiprocessor's
+# GROUP_REGISTERS: an RF whose registers times the threads would not is lowered (at 255 some spill).
+STREAM_BATCH_REGISTERS = {
+    (QT.Q4_K, 2, 1): 126, (QT.Q4_K, 2, 2): 128, (QT.Q4_K, 2, 4): 168,
+    (QT.Q4_K, 3, 1): 138, (QT.Q4_K, 3, 2): 170, (QT.Q4_K, 3, 4): 254,
+    (QT.Q4_K, 4, 1): 176, (QT.Q4_K, 4, 2): 254, (QT.Q4_K, 4, 4): 255,
+    (QT.Q6_K, 2, 1): 140, (QT.Q6_K, 2, 2): 168, (QT.Q6_K, 2, 4): 255,
+    (QT.Q6_K, 3, 1): 180, (QT.Q6_K, 3, 2): 255, (QT.Q6_K, 3, 4): 255,
+    (QT.Q6_K, 4, 1): 194, (QT.Q6_K, 4, 2): 255, (QT.Q6_K, 4, 4): 255,
+}
+GROUP_REGISTERS = 65536
 ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
@@ -89,15 +101,18 @@ def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig,
     leave most of the GPU idle, each group working through its rows one after another: fewer
     rows per group instead, down to 2 (docs/kernels.md). With B rows of x each thread keeps B
     sets of sums: STREAM_BATCH_R rows a step, STREAM_BATCH_RF (or the config's) decoded per pass
-    over x, and as many threadgroups share a multiprocessor as its threadgroup memory holds."""
+    over x while their registers fit a threadgroup, and as many threadgroups share a
+    multiprocessor as its threadgroup memory holds."""
     _, R, RF = STREAM_VARIANTS[qtype]
+    threads = stream_threads(K)
     if B > 1:
         R = STREAM_BATCH_R[qtype][B]
         RF = min(R, config.stream_batch_rf or STREAM_BATCH_RF)
+        while RF > 1 and STREAM_BATCH_REGISTERS[qtype, B, min(RF, 4)] * threads > GROUP_REGISTERS:
+            RF //= 2
     while R > 2 and -(-N // R) < device.cores:
         R //= 2
         RF = min(RF, R)
-    threads = stream_threads(K)
     if B == 1:
         groups = stream_groups(threads, device, config)
     elif config.stream_groups:

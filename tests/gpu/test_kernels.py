@@ -133,9 +133,8 @@ def test_kernel_path_logits_under_other_configs(fixture_files, name, candidate):
 def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
     """B = 3 sequences at different depths (one past the ring wrap) decoded by one compiled step:
     each row's logits against the same sequence decoded alone (B = 1) on the GPU. Batched, the
-    products read each weight once for the three rows (matvec.inc); alone, Q4_K / Q6_K rows
-    stream (matvec_stream.inc): the two differ by float32 summation order. The allowance is
-    measured at the same positions: the distance of the solo GPU rows from the reference
+    products read each weight once for the three rows (Q4_K / Q6_K: x in threadgroup memory, each
+    row's sums in one row's order). The allowance is measured at the same positions: the distance of the solo GPU rows from the reference
     backend's (CPU, float32, another order again), times 4, plus the f16-KV level 5e-3. (The
     random-block fixture is ill-conditioned: a fixed 0.15 failed at 0.179 with top-1 agreeing,
     2026-12-01, ebd927c.)"""
@@ -245,6 +244,19 @@ def test_matvec_stream_rows(qtype, shape, batch):
     n, k = shape
     check_matvec("matvec_stream_rows", qtype, n, k, batch, np.random.default_rng([SEED, n, k, batch, int(qtype), 3]),
                  rows_per_launch=plan.stream_batch_rows(k, KERNELS.device, KERNELS.config))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rf", [1, 4])
+def test_matvec_stream_rows_per_pass(qtype, rf):
+    """stream_batch_rf's other sides (the default is plan.STREAM_BATCH_RF = 2): one row of weights
+    per pass over x, and four (lowered where a threadgroup's registers would not fit), at the FFN
+    down product's K and at Q|K|gate's."""
+    kernels = Kernels(gpu_device(), KernelConfig(stream_batch_rf=rf))
+    for n, k, batch in ((6656, 19968, 2), (8448, 6656, 3)):
+        check_matvec("matvec_stream_rows", qtype, n, k, batch, np.random.default_rng([SEED, n, k, batch, rf]),
+                     kernels=kernels, stream_batch_rf=rf,
+                     rows_loaded=plan.stream_plan(qtype, k, n, kernels.device, kernels.config, batch).rows_loaded)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
