@@ -67,5 +67,17 @@ class KernelConfig:
                 raise MuseError(f"--kernel-config: {name} must be an integer, got {value!r}") from None
         return replace(cls(), **values)
 
+    @classmethod
+    def parse_tagged(cls, text: str, flag: str) -> list[tuple[str, "KernelConfig"]]:
+        """'tag:name=value,...;tag2:...' -> [(tag, KernelConfig)] (several configurations compared in
+        one run; 'tag:' alone is the defaults); `flag` names the option in errors."""
+        out = []
+        for item in filter(None, (i.strip() for i in text.split(";"))):
+            tag, colon, config = item.partition(":")
+            if not colon or not tag:
+                raise MuseError(f"{flag}: {item!r} needs a tag, 'tag:name=value,...'")
+            out.append((tag, cls.parse(config)))
+        return out
+
 
 BACKENDS = ("auto", "gpu", "reference")

@@ -199,17 +199,6 @@ def matvec_rows_cell(model, rows: list[int], configs: list[tuple[str, KernelConf
     return out
 
 
-def parse_configs(text: str) -> list[tuple[str, KernelConfig]]:
-    """'tag:name=value,...;tag2:...' -> [(tag, KernelConfig)]; 'tag:' alone is the defaults."""
-    out = []
-    for item in filter(None, (i.strip() for i in text.split(";"))):
-        tag, colon, config = item.partition(":")
-        if not colon or not tag:
-            raise MuseError(f"--matvec-configs: {item!r} needs a tag, 'tag:name=value,...'")
-        out.append((tag, KernelConfig.parse(config)))
-    return out
-
-
 def _fingerprint(path: str, work: Path, metrics: dict) -> dict:
     """The model's kvpack identity, its first computation and a cached one timed into metrics."""
     from .. import kvpack
@@ -245,7 +234,7 @@ def _command(argv=None) -> int:
     args = p.parse_args(argv)
     kernel_config = KernelConfig.parse(args.kernel_config)
     warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
-    matvec_rows, matvec_configs = ints(args.matvec_rows, "--matvec-rows"), parse_configs(args.matvec_configs)
+    matvec_rows, matvec_configs = ints(args.matvec_rows, "--matvec-rows"), KernelConfig.parse_tagged(args.matvec_configs, "--matvec-configs")
     if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
         raise MuseError("--warm and --batch values and --decode-tokens must be >= 1, --depth >= 0")
     if any(not 1 <= v <= 8 for v in matvec_rows):

@@ -68,16 +68,12 @@ def main() -> int:
 def parse_variants(text: str) -> list:
     """'tag:name=value,...;tag2:...' -> [(tag, KernelConfig)]; '' -> one unnamed variant with the defaults."""
     from muse_mlx.config import KernelConfig
+    from muse_mlx.errors import MuseError
 
-    if not text:
-        return [("", KernelConfig())]
-    out = []
-    for item in filter(None, (i.strip() for i in text.split(";"))):
-        tag, colon, config = item.partition(":")
-        if not colon or not tag:
-            raise SystemExit(f"--variants: {item!r} needs a tag, 'tag:name=value,...'")
-        out.append((tag, KernelConfig.parse(config)))
-    return out
+    try:
+        return KernelConfig.parse_tagged(text, "--variants") if text else [("", KernelConfig())]
+    except MuseError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 if __name__ == "__main__":
