@@ -108,7 +108,7 @@ def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig,
     if B > 1:
         R = STREAM_BATCH_R[qtype][B]
         RF = min(R, config.stream_batch_rf or STREAM_BATCH_RF)
-        while RF > 1 and STREAM_BATCH_REGISTERS[qtype, B, min(RF, 4)] * threads > GROUP_REGISTERS:
+        while RF > 1 and STREAM_BATCH_REGISTERS[qtype, B, RF] * threads > GROUP_REGISTERS:
             RF //= 2
     while R > 2 and -(-N // R) < device.cores:
         R //= 2

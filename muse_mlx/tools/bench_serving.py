@@ -234,7 +234,8 @@ def _command(argv=None) -> int:
     args = p.parse_args(argv)
     kernel_config = KernelConfig.parse(args.kernel_config)
     warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
-    matvec_rows, matvec_configs = ints(args.matvec_rows, "--matvec-rows"), KernelConfig.parse_tagged(args.matvec_configs, "--matvec-configs")
+    matvec_rows = ints(args.matvec_rows, "--matvec-rows")
+    matvec_configs = KernelConfig.parse_tagged(args.matvec_configs, "--matvec-configs")
     if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
         raise MuseError("--warm and --batch values and --decode-tokens must be >= 1, --depth >= 0")
     if any(not 1 <= v <= 8 for v in matvec_rows):
