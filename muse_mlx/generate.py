@@ -18,6 +18,7 @@ import mlx.core as mx
 from .errors import ContextLimitError, MuseError, NonFiniteError
 from . import cli
 from .cli import Parser
+from .config import KernelConfig
 from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
 from .sampling import Sampler, SamplerSettings
@@ -111,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
     p.add_argument("--reference", action="store_true",
                    help="use the MLX-ops reference path even on a GPU (the exactness path)")
+    p.add_argument("--kernel-config", default="",
+                   help="GPU kernel values, name=value,... (muse_mlx.config.KernelConfig; e.g. prefill_f16=0 for the "
+                        "float32 prefill lane)")
+    p.add_argument("--no-kernel-cache", dest="kernel_cache", action="store_false",
+                   help="do not compile the GPU kernels into MLX's disk cache for the next run (CUDA)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--prompt-cache", metavar="DIR", nargs="?", const="",
                     help="reuse the longest stored prefix of the prompt and store this prompt's checkpoints "
@@ -152,6 +158,7 @@ def run(argv: list[str] | None = None) -> int:
         problems.append(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
     if problems:
         raise MuseError(problems[0])
+    kernel_config = KernelConfig.parse(args.kernel_config)
 
     from .default_model import default_model_path
     from .model import load
@@ -159,7 +166,8 @@ def run(argv: list[str] | None = None) -> int:
 
     t_load = time.perf_counter()
     model_path = args.model if args.model is not None else default_model_path()
-    model = load(model_path, backend="reference" if args.reference else "auto", progress=progress_bar("load", "layer"))
+    model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
+                 progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache)
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:

@@ -227,8 +227,10 @@ class Model(nn.Module):
             for b, cache in enumerate(caches):
                 n = 2 * len(cache.layers)
                 cache.rebind(state[b * n:(b + 1) * n], T)
-            return logits
-        return self.forward(tokens, rope, kv, caches[0].dtype, last_only)
+        else:
+            logits = self.forward(tokens, rope, kv, caches[0].dtype, last_only)
+        self._ops.ready()
+        return logits
 
     def forward(self, tokens: mx.array, rope: mx.array, kv, kv_dtype, last_only: bool = False) -> mx.array:
         """The forward over tokens (B, T); rope: cos|sin of each token row's angles; kv: the caches'
@@ -247,7 +249,7 @@ class Model(nn.Module):
         if last_only and T > 1:
             h = h.reshape(B, T, -1)[:, -1]
             T = 1
-        logits = ops.project(self.output, h) * g.logit_scale
+        logits = ops.logits(self.output, h) * g.logit_scale
         if g.final_logit_softcap:
             logits = mx.tanh(logits / g.final_logit_softcap) * g.final_logit_softcap
         return logits.reshape(B, T, -1)
@@ -297,11 +299,13 @@ class Model(nn.Module):
         return self(token.reshape(1, 1), [cache])[0, 0]
 
 
-def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig(), progress=None) -> Model:
-    """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference' (ops.select_ops)."""
+def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig(), progress=None,
+         kernel_cache: bool = True) -> Model:
+    """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference', kernel_cache as
+    ops.select_ops takes them."""
     from .artifact import open_artifact
 
-    return Model(open_artifact(path), select_ops(backend, kernel_config), progress)
+    return Model(open_artifact(path), select_ops(backend, kernel_config, kernel_cache), progress)
 
 
 __all__ = ["Model", "load", "rope_cos_sin"]

@@ -53,6 +53,8 @@ CASES = [
         ("K_OFF", 32 * hd), ("V_OFF", 66 * hd), ("QS", 68 * hd), ("KS", 68 * hd), ("VS", 68 * hd)])
       for hd, rh in ((128, 64), (128, 0), (48, 16))],
     ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
+    *[(f"dequant_{v}", ["uint8"], ["float16"], [("K", 6656), ("N", 19968), ("UPR", 6656 // u), ("TPG", 256)])
+      for v, u in (("q4_k", 32), ("q5_k", 32), ("q6_k", 16), ("q8_0", 32), ("nvfp4", 16))],
 ]
 
 def wrap(name: str, header: str, source: str, inputs, in_types, outputs, out_types, template) -> str:

@@ -210,7 +210,7 @@ def test_non_finite_logits_stop_generation_with_their_position(f32_fixture, at_s
 def test_non_finite_logits_exit_2_from_the_cli(f32_fixture, monkeypatch, capsys):
     from muse_mlx import generate
 
-    monkeypatch.setattr("muse_mlx.model.load", lambda path, backend="auto", progress=None: _poisoned(load(path, backend), 2))
+    monkeypatch.setattr("muse_mlx.model.load", lambda path, backend="auto", progress=None, **kw: _poisoned(load(path, backend), 2))
     assert generate.main(["--model", str(f32_fixture), "-m", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: non-finite logits at position"), err

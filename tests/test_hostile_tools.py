@@ -462,6 +462,9 @@ def test_footprint_nonsense_numbers(argv, says, capsys):
     (["--prefill", "-512"], "--prefill lengths must be >= 1, got -512"),
     (["--prefill", "512,0"], "--prefill lengths must be >= 1, got 0"),
     (["--prefill", "1.5"], "--prefill: expected comma-separated integers"),
+    (["--prefill-depths", "0,-512"], "--prefill-depths must be >= 0, got -512"),
+    (["--prefill-depths", "deep"], "--prefill-depths: expected comma-separated integers"),
+    (["--kernel-config", "prefill_f16=2"], "kernel config prefill_f16 must be an integer 0..1, got 2"),
     (["--reps", "inf"], "--reps: invalid int value"),
     (["--kernel-config", "nonsense"], "--kernel-config"),
 ])

@@ -135,6 +135,30 @@ def test_batched_matvec(metal, qtype):
     assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
 
 
+def f16_ulps(out: np.ndarray, ref32: np.ndarray) -> np.ndarray:
+    """How many float16 steps each output lies from the float32 value rounded to nearest f16."""
+    a = np.asarray(out, np.float16).view(np.int16).astype(np.int64)
+    b = ref32.astype(np.float16).view(np.int16).astype(np.int64)
+    a, b = np.where(a < 0, -(a & 0x7FFF), a), np.where(b < 0, -(b & 0x7FFF), b)   # sign-magnitude -> ordered
+    return np.abs(a - b)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.NVFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("n, k", [(7, 256), (3, 2304)])
+def test_dequantize_to_f16(metal, qtype, n, k):
+    """dequant.inc: every value gguf-py's dequantizer gives, rounded to nearest f16 (a value whose
+    float32 product was formed with one rounding fewer, an FMA, may land one f16 step away);
+    2,304 = 9 blocks puts Q6_K and Q8_0 rows off 4-byte boundaries."""
+    rng = np.random.default_rng([n, k, int(qtype), 16])
+    w = random_blocks(n, k, qtype, rng)
+    out = np.array(metal.dequantize(mx.array(w), qtype, k, init_value=NAN))
+    ref = gguf_dequantize(w, qtype).reshape(n, k).astype(np.float32)
+    assert out.dtype == np.float16 and out.shape == (n, k)
+    assert np.isfinite(out).all()
+    ulps = f16_ulps(out, ref)
+    assert ulps.max() <= 1 and (ulps == 0).mean() >= 0.999
+
+
 @pytest.mark.parametrize("n_head, n_kv, hd, cap, n_valid, chunk", [
     (8, 2, 128, 64, 64, 32),     # a full ring: two splits per KV head
     (8, 2, 128, 300, 257, 128),  # a plane, the last split partly filled

@@ -26,6 +26,7 @@ class Device:
     backend: str
     cores: int
     group_memory: int = METAL_GROUP_MEMORY
+    capability: tuple[int, int] = (0, 0)   # CUDA compute capability (major, minor); (0, 0) on Metal
 
 
 @lru_cache(maxsize=None)
@@ -45,12 +46,14 @@ def gpu_device() -> Device | None:
     if backend is None:
         return None
     if backend == "cuda":
-        return Device("cuda", cuda_attribute(CU_MULTIPROCESSOR_COUNT), cuda_attribute(CU_MAX_SHARED_PER_BLOCK_OPTIN))
+        return Device("cuda", cuda_attribute(CU_MULTIPROCESSOR_COUNT), cuda_attribute(CU_MAX_SHARED_PER_BLOCK_OPTIN),
+                      (cuda_attribute(CU_CAPABILITY_MAJOR), cuda_attribute(CU_CAPABILITY_MINOR)))
     return Device("metal", METAL_PLANNING_CORES)
 
 
 CU_MULTIPROCESSOR_COUNT = 16            # CUdevice_attribute values (cuda.h)
 CU_MAX_SHARED_PER_BLOCK_OPTIN = 97
+CU_CAPABILITY_MAJOR, CU_CAPABILITY_MINOR = 75, 76
 
 
 def cuda_attribute(attribute: int, device_index: int = 0) -> int:

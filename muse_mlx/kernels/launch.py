@@ -19,12 +19,30 @@ from .device import Device
 
 class Kernels:
     def __init__(self, device: Device, config: KernelConfig = KernelConfig(),
-                 build: Callable | None = None):
+                 build: Callable | None = None, disk_cache=None):
+        """disk_cache: a disk_cache.KernelCache that compiles our CUDA kernels into MLX's disk
+        cache before MLX would (None: MLX compiles each in every process)."""
         self.device, self.config = device, config
         self._build = build or source.build
+        self.disk_cache = disk_cache
 
     def kernel(self, name: str, group_memory: int = 0):
-        return self._build(name, self.device.backend, group_memory)
+        k = self._build(name, self.device.backend, group_memory)
+        if self.disk_cache is None:
+            return k
+        cache = self.disk_cache
+
+        def launch(*, inputs, output_dtypes, template=(), **kw):
+            _, _, input_names, output_names = source.KERNELS[name]
+            cache.note(f"muse_{name}", *source.texts(name, self.device.backend), input_names, inputs, output_names,
+                       output_dtypes, list(template))
+            return k(inputs=inputs, output_dtypes=output_dtypes, template=list(template), **kw)
+        return launch
+
+    def ready(self) -> None:
+        """Before the launches made so far are evaluated: compile the new ones into the disk cache."""
+        if self.disk_cache is not None:
+            self.disk_cache.ready()
 
     # ---- matrix products over raw GGUF blocks ----
 
@@ -49,6 +67,12 @@ class Kernels:
             return self.kernel(name)(inputs=[w, x, xs], init_value=init_value, **launch)[0]
         weights = w.view(plan.FLOAT_DTYPES[qtype]).reshape(N, K)
         return self.kernel(name)(inputs=[weights, x], init_value=init_value, **launch)[0]
+
+    def dequantize(self, w: mx.array, qtype: QT, K: int, init_value: float | None = None) -> mx.array:
+        """The raw GGUF rows (N, row_bytes) uint8 of a quantized type -> (N, K) float16: gguf-py's
+        values (float32, the same products) rounded to nearest (dequant.inc)."""
+        name, launch = plan.dequant_launch(qtype, K, w.shape[0])
+        return self.kernel(name)(inputs=[w], init_value=init_value, **launch)[0]
 
     def matvec_silu(self, w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset: int = 0,
                     init_value: float | None = None) -> mx.array:

@@ -152,6 +152,22 @@ def batch_launch(qtype: QT, K: int, N: int, B: int) -> tuple[str, dict]:
                       output_shapes=[(B, N)], output_dtypes=[mx.float32], template=template, stream=mx.gpu)
 
 
+# The dequantization's units a row (dequant.inc: one thread each) by values a unit.
+DEQUANT_UNIT = {QT.Q4_K: 32, QT.Q5_K: 32, QT.Q6_K: 16, QT.Q8_0: 32, QT.NVFP4: 16}
+DEQUANT_THREADS = 256
+
+
+@lru_cache(maxsize=None)
+def dequant_launch(qtype: QT, K: int, N: int) -> tuple[str, dict]:
+    """(kernel name, launch keywords) of dequant.inc: (N, row_bytes) raw rows -> (N, K) float16."""
+    upr = K // DEQUANT_UNIT[qtype]
+    groups = -(-(N * upr) // DEQUANT_THREADS)
+    template = [("K", K), ("N", N), ("UPR", upr), ("TPG", DEQUANT_THREADS)]
+    return f"dequant_{QUANT_VARIANTS[qtype]}", dict(
+        grid=(groups * DEQUANT_THREADS, 1, 1), threadgroup=(DEQUANT_THREADS, 1, 1), output_shapes=[(N, K)],
+        output_dtypes=[mx.float16], template=template, stream=mx.gpu)
+
+
 # ---- decode attention ----------------------------------------------------------------
 
 

@@ -36,6 +36,8 @@ KERNELS = {
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
        for where, keep in (("", "registers"), ("_shared", "shared"))
        for v in STREAM_FORMATS},
+    # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
+    **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
     "attention_partial": ("attention", ["partial_butterfly"], ["q", "keys", "values", "params"],
                           ["part_o", "part_ml"]),
@@ -78,11 +80,18 @@ def render(family: str, parts: list[str], which: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
+def texts(name: str, which: str) -> tuple[str, str]:
+    """(header, source) of kernel `name` for backend `which`."""
+    family, parts, _, _ = KERNELS[name]
+    return render(family, parts, which)
+
+
+@lru_cache(maxsize=None)
 def build(name: str, which: str, shared_memory: int = 0):
     """The MLX kernel object `name` for backend `which`; `shared_memory`: dynamic threadgroup
     memory in bytes (CUDA; a Metal body declares its threadgroup memory with a size)."""
-    family, parts, inputs, outputs = KERNELS[name]
-    header, source = render(family, parts, which)
+    _, _, inputs, outputs = KERNELS[name]
+    header, source = texts(name, which)
     if which == "metal":
         return mx.fast.metal_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
                                     header=header)

@@ -20,7 +20,9 @@ from ..errors import MuseError
 from .reference import ReferenceOps, Slice
 
 
-def select_ops(backend: str = "auto", config: KernelConfig = KernelConfig()) -> ReferenceOps:
+def select_ops(backend: str = "auto", config: KernelConfig = KernelConfig(), kernel_cache: bool = True) -> ReferenceOps:
+    """kernel_cache: on CUDA, compile our kernels into MLX's disk cache (kernels/disk_cache.py) so
+    that the next process loads them instead of compiling (where NVRTC and the headers are found)."""
     from ..kernels import Kernels, gpu_device
 
     if backend not in BACKENDS:
@@ -32,7 +34,13 @@ def select_ops(backend: str = "auto", config: KernelConfig = KernelConfig()) -> 
         return ReferenceOps()
     from .gpu import GpuOps
 
-    return GpuOps(Kernels(device, config))
+    disk_cache = None
+    if kernel_cache and device.backend == "cuda":
+        from ..kernels.disk_cache import KernelCache, Nvrtc, default_dir
+
+        nvrtc = Nvrtc.find(device.capability)
+        disk_cache = KernelCache(default_dir(), nvrtc) if nvrtc is not None else None
+    return GpuOps(Kernels(device, config, disk_cache=disk_cache))
 
 
 __all__ = ["ReferenceOps", "Slice", "select_ops"]

@@ -9,8 +9,10 @@ Two regimes, by the number of token rows in the forward (B sequences x T tokens)
   kernels (qk_post, residual_norm), and with T = 1 over f16 caches the attention is the split
   decode kernel (DecodeStep), inside one compiled step (model.Model compiles the forward
   for the DecodePlan's key);
-- longer chunks (prefill): each matrix dequantized to float32 for its product, one layer's at
-  a time, and the reference's MLX ops for everything else.
+- longer chunks (prefill): each matrix dequantized for its product, one layer's at a time, to
+  float16 by dequant.inc and multiplied on the tensor cores with x rounded to f16 (f16_product,
+  KernelConfig.prefill_f16 = 1, the default), or to float32 and multiplied in float32 (0: the
+  exactness lane); the reference's MLX ops for everything else.
 """
 
 from __future__ import annotations
@@ -117,6 +119,25 @@ class DecodeStep:
         return [a for b in range(self.B) for a in self.state[2 * (b * self.n_layer + i):2 * (b * self.n_layer + i) + 2]]
 
 
+# Each row of x is scaled by a power of two that puts its largest value in [2^6, 2^7) before it is
+# rounded to f16: exact to undo, far from f16's overflow (65,504) and its subnormals (2^-14),
+# with room for the products' own f16 outputs (sums of up to 19,968 terms).
+F16_ROW_TOP = 6
+
+
+def f16_product(x: mx.array, w16: mx.array) -> mx.array:
+    """x (rows, in) float32 times w16^T (in, out) on the tensor cores: x rounded to f16 after a
+    per-row power-of-two scaling, float32 accumulation (MLX's f16 GEMM), the f16 result scaled
+    back. -> (rows, out) float32. The prefill lane of KernelConfig.prefill_f16."""
+    amax = mx.max(mx.abs(x), axis=-1, keepdims=True)
+    exponent = mx.ceil(mx.log2(mx.maximum(amax, 2.0 ** -100))).astype(mx.int32)
+    k = mx.clip(F16_ROW_TOP + 1 - exponent, -126, 127)
+    scale = ((k + 127) << 23).view(mx.float32)          # 2^k, built from its bits: exact
+    inverse = ((127 - k) << 23).view(mx.float32)
+    y = (x * scale).astype(mx.float16) @ w16.T
+    return y.astype(mx.float32) * inverse
+
+
 class GpuOps(ReferenceOps):
     name = "gpu"
 
@@ -146,7 +167,23 @@ class GpuOps(ReferenceOps):
         if x.shape[0] <= kplan.MAX_BATCH:
             return self.kernels.matvec(w.data, w.qtype, x)
         self._dequantized = True
-        return x @ dequantize(w.data, w.qtype).T
+        if not self.kernels.config.prefill_f16:
+            return x @ dequantize(w.data, w.qtype).T
+        return f16_product(x, self.weights_f16(w))
+
+    def logits(self, w: Matrix, h: mx.array) -> mx.array:
+        """The LM head keeps float32 products for long chunks (every position's logits, as parity
+        and perplexity ask): an f16 result would carry ~2^-12 of each logit into the log-probs."""
+        if w.raw and h.shape[0] > kplan.MAX_BATCH:
+            self._dequantized = True
+            return h @ dequantize(w.data, w.qtype).T
+        return self.project(w, h)
+
+    def weights_f16(self, w: Matrix) -> mx.array:
+        """A raw matrix's values as (n_out, n_in) float16 (dequant.inc), for one chunk's product."""
+        if w.qtype in kplan.FLOAT_DTYPES:
+            return w.data.view(kplan.FLOAT_DTYPES[w.qtype]).reshape(w.n_out, w.n_in).astype(mx.float16)
+        return self.kernels.dequantize(w.data, w.qtype, w.n_in)
 
     def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
         rows = gate.array.shape[0]
@@ -170,6 +207,9 @@ class GpuOps(ReferenceOps):
             return super().residual_norm(x, f, w_post, w_next, eps_post, eps_next)
         return self.kernels.residual_norm(x, f, w_post, w_next, self._eps_array(eps_post, eps_next))
 
+    def ready(self) -> None:
+        self.kernels.ready()
+
     def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
         if T == 1 and all(c.dtype == mx.float16 for c in caches):
             return decode_plan(caches, self.kernels)
@@ -177,5 +217,6 @@ class GpuOps(ReferenceOps):
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
         if self._dequantized:   # bound the dequantized weights alive at once to one layer's
+            self.kernels.ready()
             mx.eval(*arrays, *kv.layer_state(i))
             self._dequantized = False

@@ -153,6 +153,10 @@ class ReferenceOps:
         """x (rows, in) -> x W^T (rows, out), float32."""
         return x @ w.data.T
 
+    def logits(self, w: Matrix, h: mx.array) -> mx.array:
+        """The output projection (the LM head): h (rows, n_embd) -> (rows, n_vocab) float32."""
+        return self.project(w, h)
+
     def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
         """The FFN down projection of silu(gate) * up."""
         return self.project(w, silu_mul(gate.dense(), up.dense()))
@@ -185,3 +189,6 @@ class ReferenceOps:
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
         """After layer i (the GPU backend bounds the dequantized weights alive at once here)."""
+
+    def ready(self) -> None:
+        """Before a forward's outputs are evaluated (the GPU backend writes its kernel disk cache here)."""

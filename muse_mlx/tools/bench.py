@@ -6,7 +6,8 @@ Cells (each: warm-up, then --reps repetitions; mean and CV of tok/s):
   computes this one, as mlx-lm generates); `tok_s` is the faster, named in `tok_s_is`.
   The KV cache is filled to the depth with random f16 rows (timing depends on the sizes,
   not the values); labelled so in the receipt.
-- prefill: --prefill lengths from an empty cache, chunks of 512.
+- prefill: --prefill lengths on a cache filled to each --prefill-depths value (0: empty; else
+  random f16 rows, as the decode cells), chunks of 512 (llama-bench -p N -d D).
 - matvecs only: one token's projections (as launched: Q|K|gate and FFN gate|up stacked), our raw-block kernels against
   MLX's built-in affine 4-bit `quantized_matmul` (group 32) on the same weights.
 Effective GB/s = bytes streamed per token (envelope.py: weights once, the embedding row,
@@ -95,11 +96,12 @@ def decode_cell(model, depth: int, tokens: int, reps: int, warmup: int) -> dict:
     return out
 
 
-def prefill_cell(model, length: int, reps: int, warmup: int) -> dict:
+def prefill_cell(model, length: int, reps: int, warmup: int, depth: int = 0) -> dict:
     tokens = mx.array(np.random.default_rng(length).integers(0, model.geometry.n_vocab, length))
+    cache = model.make_cache(depth + length + 1)
 
     def one_rep() -> float:
-        cache = model.make_cache(length + 1)
+        cache.fill_random(depth)
         t = time.perf_counter()
         logits = model.prefill(tokens, cache)
         mx.eval(logits)
@@ -107,7 +109,10 @@ def prefill_cell(model, length: int, reps: int, warmup: int) -> dict:
 
     for _ in range(warmup):
         one_rep()
-    return {"length": length, "tok_s": _stats([one_rep() for _ in range(reps)])}
+    out = {"length": length, "depth": depth, "tok_s": _stats([one_rep() for _ in range(reps)])}
+    if depth:
+        out["kv_fill"] = "random f16 rows (synthetic)"
+    return out
 
 
 def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
@@ -202,10 +207,12 @@ def run_bench(args) -> dict:
               f"synced {cell['tok_s_synced']['mean']:.2f}), "
               f"{cell['ms_per_token']:.3f} ms, {cell['effective_gbps']:.0f} GB/s = "
               f"{cell['fraction_of_read_bw']:.1%} of {bw['mean']:.0f} GB/s read", flush=True)
-    for length in args.prefill:
-        cell = prefill_cell(model, length, args.reps, args.warmup)
-        out["prefill"].append(cell)
-        print(f"prefill {length:>5}: {cell['tok_s']['mean']:8.1f} tok/s (CV {cell['tok_s']['cv']:.2%})", flush=True)
+    for depth in args.prefill_depths:
+        for length in args.prefill:
+            cell = prefill_cell(model, length, args.reps, args.warmup, depth)
+            out["prefill"].append(cell)
+            print(f"prefill {length:>5} at depth {depth:>6}: {cell['tok_s']['mean']:8.1f} tok/s "
+                  f"(CV {cell['tok_s']['cv']:.2%})", flush=True)
     if args.matvecs:
         n = len(model.matrices())
         out["launch_overhead"] = launch_overhead_cell(model, n, args.reps, args.warmup)
@@ -246,9 +253,10 @@ def combine(ours_path, llama_path) -> dict:
                     entry.update(cell=f"decode depth {depth}", ours_tok_s=mine["tok_s"]["mean"],
                                  ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
             elif n_prompt and not n_gen:
-                mine = next((c for c in m.get("prefill", []) if c["length"] == n_prompt), None)
+                mine = next((c for c in m.get("prefill", []) if c["length"] == n_prompt
+                             and c.get("depth", 0) == depth), None)
                 if mine:
-                    entry.update(cell=f"prefill {n_prompt}", ours_tok_s=mine["tok_s"]["mean"],
+                    entry.update(cell=f"prefill {n_prompt} depth {depth}", ours_tok_s=mine["tok_s"]["mean"],
                                  ratio_llama_over_ours=rec["avg_ts"] / mine["tok_s"]["mean"])
         except (KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
             raise MuseError(f"--combine {ours_path} {llama_path}: record {i} of llama-bench's output does not "
@@ -267,9 +275,11 @@ def check_flags(args) -> None:
     if args.decode_tokens < 1:
         raise MuseError(f"--decode-tokens must be >= 1, got {args.decode_tokens}")
     args.depths, args.prefill = cli.ints(args.depths, "--depths"), cli.ints(args.prefill, "--prefill")
-    bad = [d for d in args.depths if d < 0]
-    if bad:
-        raise MuseError(f"--depths must be >= 0, got {bad[0]}")
+    args.prefill_depths = cli.ints(args.prefill_depths, "--prefill-depths")
+    for flag, values in (("--depths", args.depths), ("--prefill-depths", args.prefill_depths)):
+        bad = [d for d in values if d < 0]
+        if bad:
+            raise MuseError(f"{flag} must be >= 0, got {bad[0]}")
     bad = [n for n in args.prefill if n < 1]
     if bad:
         raise MuseError(f"--prefill lengths must be >= 1, got {bad[0]}")
@@ -287,6 +297,8 @@ def _command(argv=None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64,
                    help="tokens per decode repetition, >= 1 (default %(default)s)")
     p.add_argument("--prefill", default="512,2048", help="prefill lengths, each >= 1 (default %(default)s)")
+    p.add_argument("--prefill-depths", default="0",
+                   help="cache depths the prefill lengths start at, each >= 0 (default %(default)s)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per cell, >= 1 (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first, >= 0 (default %(default)s)")
     p.add_argument("--no-matvecs", dest="matvecs", action="store_false", help="skip the matvec-only comparison")

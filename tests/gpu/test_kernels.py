@@ -8,6 +8,7 @@ receipt to $MUSE_GPU_RECEIPT (or receipts/kernels/verification.json).
 
 import os
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -169,8 +170,10 @@ def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
 
 
 def check_logits(fixture_files, name, kernel_config=KernelConfig(), **extra):
+    """The kernel path against the reference path, its 100-token prefill on the float32 lane
+    (prefill_f16 = 0: the reference's arithmetic; the f16 lane is held to the oracle below)."""
     tokens = np.random.default_rng([SEED, 7]).integers(0, DEFAULT_GEOMETRY.n_vocab, 160)
-    ours = run(fixture_files[name], tokens, 103, "gpu", kernel_config)
+    ours = run(fixture_files[name], tokens, 103, "gpu", replace(kernel_config, prefill_f16=0))
     ref = run(fixture_files[name], tokens, 103, "reference")
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
@@ -184,6 +187,59 @@ def check_logits(fixture_files, name, kernel_config=KernelConfig(), **extra):
         ok = bool(np.isfinite(ours).all() and d.max() < max_tol and d.mean() < mean_tol and top1 >= 0.98)
     record("model_logits", **fields, **{"pass": ok})
     assert ok, fields
+
+
+# llama.cpp's distance from the float64 oracle on the default fixture (its CPU path; docs/parity.md,
+# receipts/parity/2026-12-01-2cb0ed9-{f16,q8_0}.json): F16 lane, and its closest quantized lane.
+LLAMA_F16_LANE_FROM_ORACLE = 2.07e-2
+LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
+
+
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K_M-random"])
+def test_prefill_lanes_against_the_oracle(fixture_files, name):
+    """A 103-token prefill (every position's logits) on both prefill lanes against the float64
+    oracle: the float32 lane (prefill_f16 = 0) and the tensor-core lane (1: dequant.inc to f16,
+    x rounded to f16 after a per-row power-of-two scaling, MLX's f16 GEMM). The f16 lane must pick
+    the oracle's top-1 everywhere and stay within llama.cpp's F16-lane distance on a
+    well-conditioned fixture; on the ill-conditioned random-block one, its typical position
+    within llama.cpp's Q8_0-lane distance. Both lanes' distances go to the receipt."""
+    tokens = np.random.default_rng([SEED, 13]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103)
+    oracle = log_softmax(ReferenceModel(fixture_files[name]).logits(tokens))
+    fields, lanes = {}, {}
+    for lane in (0, 1):
+        with mx.stream(mx.gpu):
+            model = load(fixture_files[name], "gpu", KernelConfig(prefill_f16=lane))
+            ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
+        d = np.abs(log_softmax(ours.astype(np.float64)) - oracle).max(axis=-1)
+        lanes[lane] = (d, bool((ours.argmax(-1) == oracle.argmax(-1)).all()), bool(np.isfinite(ours).all()))
+        fields[f"lane{lane}_max"] = float(d.max())
+        fields[f"lane{lane}_median"] = float(np.median(d))
+        fields[f"lane{lane}_top1_all"] = lanes[lane][1]
+    d, top1, finite = lanes[1]
+    bound = LLAMA_F16_LANE_FROM_ORACLE if name not in RANDOM_FIXTURES else LLAMA_Q8_0_LANE_FROM_ORACLE
+    ok = finite and top1 and float(d.max() if name not in RANDOM_FIXTURES else np.median(d)) < bound
+    record("prefill_lanes_vs_oracle", fixture=name, bound=bound, **fields, **{"pass": bool(ok)})
+    assert ok, fields
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dequantize_to_f16(qtype, shape):
+    """dequant.inc at the pinned shapes: every value the bit-exact MLX-ops dequantization gives
+    (gguf-py's, tests/test_quant.py) rounded to nearest f16, or one f16 step away where the GPU
+    formed a product with one rounding fewer (an FMA)."""
+    n, k = shape
+    rng = np.random.default_rng([SEED, n, k, int(qtype), 17])
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    out = np.array(KERNELS.dequantize(w, qtype, k, init_value=float("nan")))
+    ref = np.array(dequantize(w, qtype)).astype(np.float16)
+    a, b = out.view(np.int16).astype(np.int64), ref.view(np.int16).astype(np.int64)
+    a, b = np.where(a < 0, -(a & 0x7FFF), a), np.where(b < 0, -(b & 0x7FFF), b)
+    ulps = np.abs(a - b)
+    exact = float((ulps == 0).mean())
+    ok = bool(np.isfinite(out).all() and ulps.max() <= 1 and exact >= 0.999)
+    record("dequantize_f16", qtype=qtype.name, n=n, k=k, max_ulps=int(ulps.max()), exact=exact, **{"pass": ok})
+    assert ok, (int(ulps.max()), exact)
 
 
 # ---- single kernels against float64 ----------------------------------------------------
@@ -430,3 +486,128 @@ def test_residual_norm(n, rows):
     ok = bool(ex < 1e-6 and eh < 1e-6)
     record("residual_norm", n=n, rows=rows, x_rel_err=ex, h_rel_err=eh, **{"pass": ok})
     assert ok, (ex, eh)
+
+
+# ---- the kernel disk cache (kernels/disk_cache.py) ---------------------------------------
+
+CUDA_ONLY = pytest.mark.skipif(gpu_device() is None or gpu_device().backend != "cuda", reason="CUDA only")
+
+
+def _mlx_printed_source(launch) -> str:
+    """The source MLX prints for a launch made with verbose=True (its stdout, captured at the fd)."""
+    import re
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            mx.eval(launch())
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode()
+    m = re.search(r"Generated source code for `([^`]+)`:\n```\n(.*)\n```", text, flags=re.S)
+    assert m, text[:500]
+    return m.group(1), m.group(2)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("case", ["matvec_q4_k", "matvec_float", "qk_post", "dequant_q6_k"])
+def test_disk_cache_rebuilds_mlx_source(case):
+    """disk_cache.mlx_source gives, byte for byte, the kernel name and text MLX compiles (which it
+    prints with verbose=True); otherwise the files written would carry names MLX never reads."""
+    from muse_mlx.kernels import source
+    from muse_mlx.kernels.disk_cache import mlx_source
+
+    rng = np.random.default_rng(5)
+    if case == "matvec_q4_k":
+        w = mx.array(random_blocks(8, 512, QT.Q4_K, rng))
+        x = mx.array(rng.standard_normal((2, 512)).astype(np.float32))
+        name, launch = plan.batch_launch(QT.Q4_K, 512, 8, 2)
+        inputs = [w, x, x.reshape(2, 32, 16).sum(axis=-1)]
+    elif case == "matvec_float":
+        w = mx.array(rng.standard_normal((8, 64)).astype(np.float16))
+        x = mx.array(rng.standard_normal((2, 64)).astype(np.float32))
+        name, launch = plan.batch_launch(QT.F16, 64, 8, 2)
+        inputs = [w, x]
+    elif case == "dequant_q6_k":
+        inputs = [mx.array(random_blocks(4, 256, QT.Q6_K, rng))]
+        name, launch = plan.dequant_launch(QT.Q6_K, 256, 4)
+    else:
+        q = mx.array(rng.standard_normal((1, 4 * 128)).astype(np.float32))
+        kv = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
+        inputs = [q, kv, kv, mx.ones((128,)), mx.ones((128,)), mx.ones((1, 64)), mx.array([1e-6], dtype=mx.float32)]
+        name = "qk_post"
+        launch = dict(template=[("HD", 128), ("NH", 4), ("NKV", 1), ("ROPE_HALF", 32), ("TPG", 128), ("Q_OFF", 0),
+                                ("K_OFF", 0), ("V_OFF", 0), ("QS", 512), ("KS", 128), ("VS", 128), ("ROWS", 1)],
+                      grid=(6 * 128, 1, 1), threadgroup=(128, 1, 1),
+                      output_shapes=[(1, 4, 128), (1, 1, 128), (1, 1, 128)],
+                      output_dtypes=[mx.float32, mx.float16, mx.float16], stream=mx.gpu)
+    kernel = source.build(name, "cuda")
+    printed_name, printed = _mlx_printed_source(lambda: kernel(inputs=inputs, verbose=True, **launch))
+    _, _, input_names, output_names = source.KERNELS[name]
+    ours_name, ours = mlx_source(f"muse_{name}", *source.texts(name, "cuda"),
+                                 [(n, a.dtype, a.ndim) for n, a in zip(input_names, inputs)],
+                                 list(zip(output_names, launch["output_dtypes"])), launch["template"])
+    same = ours_name == printed_name and ours.strip("\n") == printed.strip("\n")
+    record("disk_cache_source", kernel=name, name=printed_name, **{"pass": same})
+    assert ours_name == printed_name
+    assert ours.strip("\n") == printed.strip("\n")
+
+
+_MLX_READS = r'''
+import sys
+import mlx.core as mx, numpy as np
+from muse_mlx.kernels import Kernels, gpu_device
+from muse_mlx.kernels import source
+from muse_mlx.kernels.disk_cache import KernelCache, Nvrtc, mlx_source, module_name, module_path
+device = gpu_device()
+nvrtc = Nvrtc.find(device.capability)
+assert nvrtc is not None, "no NVRTC"
+cache = KernelCache(sys.argv[1], nvrtc)
+x = mx.array(np.full((2, 256), 1.0, np.float32)); f = mx.array(np.full((2, 256), 2.0, np.float32))
+w = mx.ones((256,)); eps = mx.array([1e-6, 1e-6], dtype=mx.float32)
+k = Kernels(device, disk_cache=cache)
+if sys.argv[2] == "poison":   # a module under residual_norm's name whose body writes 42 everywhere
+    header, body = source.texts("residual_norm", "cuda")
+    args = ("muse_residual_norm", header, body, [(n, mx.float32, 2 if n in ("x", "f") else 1)
+            for n in ("x", "f", "w_post", "w_next", "eps")], [("x_out", mx.float32), ("h", mx.float32)],
+            [("N", 256), ("TPG", 256)])
+    kernel, real = mlx_source(*args)
+    _, fake = mlx_source(*args[:2], "x_out[blockIdx.y * N + threadIdx.x] = 42.0f; h[blockIdx.y * N + threadIdx.x] = 42.0f;\n", *args[3:])
+    binary, mangled = nvrtc.compile(kernel, fake)
+    path = module_path(cache.directory, module_name(kernel, real))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".txt").write_text(f"mlx::core::cu::{kernel}\t{mangled}\n")
+    path.write_bytes(binary)
+r, h = k.residual_norm(x, f, w, w, eps)
+k.ready()
+print(float(np.array(r).max()), len(cache.written), len(cache.failed))
+'''
+
+
+@CUDA_ONLY
+def test_mlx_loads_the_modules_written(tmp_path):
+    """MLX reads the disk cache at the names disk_cache computes: a module written under
+    residual_norm's name with a body that writes 42 is what a fresh process then runs (so the
+    names are MLX's); and a module KernelCache compiles itself gives the right result (x + rmsnorm(f) = 2)."""
+    import subprocess
+    import sys
+
+    def fresh(directory, mode):
+        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(directory))
+        r = subprocess.run([sys.executable, "-c", _MLX_READS, str(directory), mode], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+    poisoned = fresh(tmp_path / "poison", "poison")
+    first = fresh(tmp_path / "plain", "plain")    # compiles and writes residual_norm's module
+    second = fresh(tmp_path / "plain", "plain")   # finds it: nothing to write
+    ok = float(poisoned[0]) == 42.0 and float(first[0]) == 2.0 and first[1:] == ["1", "0"] \
+        and float(second[0]) == 2.0 and second[1:] == ["0", "0"]
+    record("disk_cache_read_by_mlx", poisoned=poisoned, first=first, second=second, **{"pass": ok})
+    assert ok, (poisoned, first, second)

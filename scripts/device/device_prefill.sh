@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call, on a machine an earlier call set up (MLX unpacked, /tmp/bench.gguf written,
+# llama.cpp's build started with LLAMA_BUILD=1 LLAMA_TARGETS="llama-bench llama-completion"):
+# issue 17's prefill and cold start, side by side with llama.cpp.
+#   1. cold start (scripts/device/cold_start.py): `generate --max-tokens 1` on the bench GGUF,
+#      page cache warm, with MLX's kernel disk cache in a fresh folder: without our kernel cache
+#      (--no-kernel-cache), then twice with it (the first run compiles and writes, the second
+#      reads); then `llama-completion -n 1` twice, timed the same way.
+#   2. prefill: the bench's --prefill 512,2048 at --prefill-depths 0,32768, on the f16 lane
+#      (the default) and the float32 lane (prefill_f16=0), then llama-bench -p 512,2048 -d 0,32768.
+# Carry .device/revision. Writes $OUT/cold-start.json, prefill-{f16,f32}.json, llama-prefill.json,
+# bench-compare-{f16,f32}.json and the logs.
+#   PARTS  which of "cold prefill" to run (default both)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source ~/.muse-device/env.sh || exit 1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 MUSE_GIT_REVISION="$(cat .device/revision)"
+PARTS=${PARTS:-"cold prefill"}
+G=/tmp/bench.gguf
+LLAMA=/tmp/llama/llama.cpp/build/bin
+wait_llama() { for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
+  echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -2 /tmp/llama/build.log; }
+cat $G > /dev/null   # the file in the page cache, as the issue's timings had it
+if [[ " $PARTS " == *" cold "* ]]; then
+  rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
+  GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
+  specs=("no-kernel-cache|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --no-kernel-cache"
+         "kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
+         "kernel-cache-second|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
+  wait_llama
+  if [ -x $LLAMA/llama-completion ]; then
+    LC="$LLAMA/llama-completion -m $G -p 'The quick brown fox jumps over the lazy dog, and then' -n 1 -ngl 99 -no-cnv"
+    specs+=("llama-completion-1||$LC" "llama-completion-2||$LC")
+  fi
+  timeout 420 python3 scripts/device/cold_start.py "$OUT/cold-start.json" "${specs[@]}" 2>&1 | tee "$OUT/cold-start.log"
+  ls /tmp/ptx-cold | wc -l
+fi
+if [[ " $PARTS " == *" prefill "* ]]; then
+  for lane in f16 f32; do
+    cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"
+    timeout 240 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 512,2048 \
+      --prefill-depths 0,32768 --reps 3 --no-matvecs ${cfg:+--kernel-config "$cfg"} \
+      --receipt "$OUT/prefill-$lane.json" 2>&1 | tee "$OUT/prefill-$lane.log"
+  done
+  wait_llama
+  $LLAMA/llama-bench -m $G -ngl 99 -fa 1 -r 3 -p 512,2048 -n 0 -d 0,32768 -o json > "$OUT/llama-prefill.json" 2> /tmp/llama-prefill.err
+  tail -3 /tmp/llama-prefill.err
+  for lane in f16 f32; do
+    python3 -m muse_mlx.tools.bench --combine "$OUT/prefill-$lane.json" "$OUT/llama-prefill.json" \
+      --receipt "$OUT/bench-compare-$lane.json"
+  done
+fi
+bash scripts/device/pack_out.sh
