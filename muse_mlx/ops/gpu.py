@@ -119,19 +119,22 @@ class DecodeStep:
         return [a for b in range(self.B) for a in self.state[2 * (b * self.n_layer + i):2 * (b * self.n_layer + i) + 2]]
 
 
-# Each row of x is scaled by a power of two that puts its largest value in [2^6, 2^7) before it is
-# rounded to f16: exact to undo, far from f16's overflow (65,504) and its subnormals (2^-14),
-# with room for the products' own f16 outputs (sums of up to 19,968 terms).
-F16_ROW_TOP = 6
+# The f16 products cannot overflow: |y_n| = |sum_k w_nk x_k| <= max|x| * sum_k |w_nk|, so each row of
+# x is scaled by the power of two that puts max|x| * (the matrix's largest row L1 norm) at or below
+# 2^F16_PRODUCT_TOP (f16's largest value is 65,504, just under 2^16), then rounded to f16: exact to
+# undo. (2026-12-01, 921bc6c: scaling max|x| alone to [2^6, 2^7) overflowed on the synthetic
+# full-geometry file, non-finite logits at a 31-token prompt.)
+F16_PRODUCT_TOP = 15
 
 
-def f16_product(x: mx.array, w16: mx.array) -> mx.array:
-    """x (rows, in) float32 times w16^T (in, out) on the tensor cores: x rounded to f16 after a
-    per-row power-of-two scaling, float32 accumulation (MLX's f16 GEMM), the f16 result scaled
-    back. -> (rows, out) float32. The prefill lane of KernelConfig.prefill_f16."""
-    amax = mx.max(mx.abs(x), axis=-1, keepdims=True)
-    exponent = mx.ceil(mx.log2(mx.maximum(amax, 2.0 ** -100))).astype(mx.int32)
-    k = mx.clip(F16_ROW_TOP + 1 - exponent, -126, 127)
+def f16_product(x: mx.array, w16: mx.array, l1_max: mx.array) -> mx.array:
+    """x (rows, in) float32 times w16^T (in, out) on the tensor cores; l1_max: the largest row L1
+    norm of w16 (a 1-element float32 array). x is rounded to f16 after a per-row power-of-two
+    scaling, MLX's f16 GEMM accumulates in float32, its f16 result is scaled back. -> (rows, out)
+    float32. The prefill lane of KernelConfig.prefill_f16."""
+    bound = mx.max(mx.abs(x), axis=-1, keepdims=True) * l1_max
+    exponent = mx.ceil(mx.log2(mx.maximum(bound, 2.0 ** -100))).astype(mx.int32)
+    k = mx.clip(F16_PRODUCT_TOP - exponent, -126, 127)
     scale = ((k + 127) << 23).view(mx.float32)          # 2^k, built from its bits: exact
     inverse = ((127 - k) << 23).view(mx.float32)
     y = (x * scale).astype(mx.float16) @ w16.T
@@ -145,6 +148,7 @@ class GpuOps(ReferenceOps):
         self.kernels = kernels
         self._eps: dict[tuple, mx.array] = {}
         self._dequantized = False   # a product of this layer dequantized its matrix (a long chunk)
+        self._l1_max: dict[int, mx.array] = {}   # id of a raw matrix's data -> its f16 values' largest row L1 norm
 
     @property
     def backend(self) -> str:
@@ -169,7 +173,11 @@ class GpuOps(ReferenceOps):
         self._dequantized = True
         if not self.kernels.config.prefill_f16:
             return x @ dequantize(w.data, w.qtype).T
-        return f16_product(x, self.weights_f16(w))
+        w16 = self.weights_f16(w)
+        key = id(w.data)
+        if key not in self._l1_max:   # once per matrix: its largest row L1 norm (f16_product's bound)
+            self._l1_max[key] = mx.max(mx.sum(mx.abs(w16.astype(mx.float32)), axis=-1)).reshape(1)
+        return f16_product(x, w16, self._l1_max[key])
 
     def logits(self, w: Matrix, h: mx.array) -> mx.array:
         """The LM head keeps float32 products for long chunks (every position's logits, as parity

@@ -82,14 +82,15 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, q_pos: np.ndarray, 
     v = values.astype(mx.float32)[:, None]
     qh = q.transpose(1, 0, 2).reshape(n_kv, group, L, hd)
     step = max(1, SCORE_BLOCK_BYTES // max(1, n_head * N * 4))
+    qp, kp = mx.array(np.asarray(q_pos, dtype=np.int32)), mx.array(np.asarray(k_pos, dtype=np.int32))
     outs = []
     for a in range(0, L, step):
         b = min(L, a + step)
-        rel = q_pos[a:b, None] - k_pos[None, :]
+        rel = qp[a:b, None] - kp[None, :]   # the mask made where it is used (not L x N floats from the host)
         visible = rel >= 0
         if window is not None:
-            visible &= rel < window
-        mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32))
+            visible = visible & (rel < window)
+        mask = mx.where(visible, mx.array(0.0, dtype=mx.float32), mx.array(-np.inf, dtype=mx.float32))
         scores = (qh[:, :, a:b] @ k.swapaxes(-1, -2)) * scale + mask
         probs = mx.softmax(scores, axis=-1, precise=True)
         outs.append(probs @ v)                    # (n_kv, group, b-a, hd)

@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# One device call, on a machine an earlier call set up (MLX unpacked, /tmp/bench.gguf written,
-# llama.cpp's build started with LLAMA_BUILD=1 LLAMA_TARGETS="llama-bench llama-completion"):
-# issue 17's prefill and cold start, side by side with llama.cpp.
-#   1. cold start (scripts/device/cold_start.py): `generate --max-tokens 1` on the bench GGUF,
-#      page cache warm, with MLX's kernel disk cache in a fresh folder: without our kernel cache
-#      (--no-kernel-cache), then twice with it (the first run compiles and writes, the second
-#      reads); then `llama-completion -n 1` twice, timed the same way.
-#   2. prefill: the bench's --prefill 512,2048 at --prefill-depths 0,32768, on the f16 lane
-#      (the default) and the float32 lane (prefill_f16=0), then llama-bench -p 512,2048 -d 0,32768.
-# Carry .device/revision. Writes $OUT/cold-start.json, prefill-{f16,f32}.json, llama-prefill.json,
-# bench-compare-{f16,f32}.json and the logs.
-#   PARTS  which of "cold prefill" to run (default both)
+# One device call for issue 17's prefill and cold start, side by side with llama.cpp where an
+# earlier call on this machine built it (LLAMA_BUILD=1 LLAMA_TARGETS="llama-bench llama-completion").
+# PARTS (default "cold prefill"), in this order:
+#   probe   scripts/device/probe_prefill.py: one layer's steps timed alone ($OUT/prefill-probe.json)
+#   checks  the GPU checks selected by PYTEST_K (tests/gpu/test_kernels.py; $OUT/gpu-tests.log,
+#           verification.json), at most TEST_TIMEOUT seconds (default 200)
+#   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
+#           warm, MLX's kernel disk cache in a fresh folder: without our kernel cache
+#           (--no-kernel-cache), then twice with it (the first run compiles and writes, the second
+#           reads); then `llama-completion -n 1` twice when built ($OUT/cold-start.json)
+#   prefill the bench's --prefill 512,2048 at --prefill-depths 0,32768 on each of LANES (default
+#           "f16 f32": prefill_f16 = 1 / 0), then llama-bench -p 512,2048 -d 0,32768 when built
+#           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
+# Carry .device/revision (and .device/part2 on a machine no call has set up yet).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source ~/.muse-device/env.sh || exit 1
+if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 MUSE_GIT_REVISION="$(cat .device/revision)"
 PARTS=${PARTS:-"cold prefill"}
 G=/tmp/bench.gguf
 LLAMA=/tmp/llama/llama.cpp/build/bin
-wait_llama() { for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
+wait_llama() { [ -d /tmp/llama ] || return 0; for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
   echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -2 /tmp/llama/build.log; }
+[ -f $G ] || python3 scripts/make_bench_gguf.py $G 2>&1 | tail -2 | tee "$OUT/make-gguf.log"
 cat $G > /dev/null   # the file in the page cache, as the issue's timings had it
+if [[ " $PARTS " == *" probe "* ]]; then
+  timeout 150 python3 scripts/device/probe_prefill.py $G "$OUT/prefill-probe.json" 2>&1 | tee "$OUT/prefill-probe.log"
+fi
+if [[ " $PARTS " == *" checks "* ]]; then
+  t0=$(date +%s)
+  MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/gpu/test_kernels.py \
+    ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -rf --tb=short -v > "$OUT/gpu-tests.log" 2>&1
+  echo "GPU tests rc $? in $(( $(date +%s) - t0 )) s"; grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head; tail -2 "$OUT/gpu-tests.log"
+fi
 if [[ " $PARTS " == *" cold "* ]]; then
   rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
   GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
@@ -36,18 +48,20 @@ if [[ " $PARTS " == *" cold "* ]]; then
   ls /tmp/ptx-cold | wc -l
 fi
 if [[ " $PARTS " == *" prefill "* ]]; then
-  for lane in f16 f32; do
+  for lane in ${LANES:-f16 f32}; do
     cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"
     timeout 240 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 512,2048 \
       --prefill-depths 0,32768 --reps 3 --no-matvecs ${cfg:+--kernel-config "$cfg"} \
       --receipt "$OUT/prefill-$lane.json" 2>&1 | tee "$OUT/prefill-$lane.log"
   done
   wait_llama
-  $LLAMA/llama-bench -m $G -ngl 99 -fa 1 -r 3 -p 512,2048 -n 0 -d 0,32768 -o json > "$OUT/llama-prefill.json" 2> /tmp/llama-prefill.err
-  tail -3 /tmp/llama-prefill.err
-  for lane in f16 f32; do
-    python3 -m muse_mlx.tools.bench --combine "$OUT/prefill-$lane.json" "$OUT/llama-prefill.json" \
-      --receipt "$OUT/bench-compare-$lane.json"
-  done
+  if [ -x $LLAMA/llama-bench ]; then
+    $LLAMA/llama-bench -m $G -ngl 99 -fa 1 -r 3 -p 512,2048 -n 0 -d 0,32768 -o json > "$OUT/llama-prefill.json" 2> /tmp/llama-prefill.err
+    tail -3 /tmp/llama-prefill.err
+    for lane in ${LANES:-f16 f32}; do
+      python3 -m muse_mlx.tools.bench --combine "$OUT/prefill-$lane.json" "$OUT/llama-prefill.json" \
+        --receipt "$OUT/bench-compare-$lane.json"
+    done
+  fi
 fi
 bash scripts/device/pack_out.sh

@@ -200,8 +200,8 @@ def test_prefill_lanes_against_the_oracle(fixture_files, name):
     """A 103-token prefill (every position's logits) on both prefill lanes against the float64
     oracle: the float32 lane (prefill_f16 = 0) and the tensor-core lane (1: dequant.inc to f16,
     x rounded to f16 after a per-row power-of-two scaling, MLX's f16 GEMM). The f16 lane must pick
-    the oracle's top-1 everywhere and stay within llama.cpp's F16-lane distance on a
-    well-conditioned fixture; on the ill-conditioned random-block one, its typical position
+    the oracle's top-1 except at near-ties (the oracle's two log-probs closer than llama.cpp's F16-lane
+    distance) and stay within that distance on a well-conditioned fixture; on the ill-conditioned random-block one, its typical position
     within llama.cpp's Q8_0-lane distance. Both lanes' distances go to the receipt."""
     tokens = np.random.default_rng([SEED, 13]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103)
     oracle = log_softmax(ReferenceModel(fixture_files[name]).logits(tokens))
@@ -211,10 +211,13 @@ def test_prefill_lanes_against_the_oracle(fixture_files, name):
             model = load(fixture_files[name], "gpu", KernelConfig(prefill_f16=lane))
             ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
         d = np.abs(log_softmax(ours.astype(np.float64)) - oracle).max(axis=-1)
-        lanes[lane] = (d, bool((ours.argmax(-1) == oracle.argmax(-1)).all()), bool(np.isfinite(ours).all()))
+        flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]   # top-1 unlike the oracle's: near-ties only
+        gaps = oracle[flips, oracle.argmax(-1)[flips]] - oracle[flips, ours.argmax(-1)[flips]]
+        fields[f"lane{lane}_top1_flips"] = int(len(flips))
+        lanes[lane] = (d, bool((gaps < LLAMA_F16_LANE_FROM_ORACLE).all()), bool(np.isfinite(ours).all()))
         fields[f"lane{lane}_max"] = float(d.max())
         fields[f"lane{lane}_median"] = float(np.median(d))
-        fields[f"lane{lane}_top1_all"] = lanes[lane][1]
+        fields[f"lane{lane}_top1_flips_near_ties"] = lanes[lane][1]
     d, top1, finite = lanes[1]
     bound = LLAMA_F16_LANE_FROM_ORACLE if name not in RANDOM_FIXTURES else LLAMA_Q8_0_LANE_FROM_ORACLE
     ok = finite and top1 and float(d.max() if name not in RANDOM_FIXTURES else np.median(d)) < bound
