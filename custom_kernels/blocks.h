@@ -3,6 +3,7 @@
 #define LOAD_U32(p) (*((GLOBAL_CONST(uint32_t)*)(p)))
 #define LOAD_U16(p) (*((GLOBAL_CONST(uint16_t)*)(p)))
 #define LOAD_F4(p) (*((GLOBAL_CONST(float4)*)(p)))
+#define STORE_U4(p, v) (*((GLOBAL(uint4)*)(p)) = (v))
 
 // A little-endian f16 stored at p (any alignment).
 template <typename P> inline float f16_at(P p) {

@@ -32,6 +32,10 @@ __device__ __forceinline__ float warp_max(float v) {
 #define FUNNEL_R(lo, hi, s) __funnelshift_r((lo), (hi), (s))
 #define RSQRTF(x) rsqrtf(x)
 #define FLOAT_TO_HALF(x) __float2half_rn(x)
+// Two floats rounded to f16, as one 32-bit word (a first, in the low half); a device pointer.
+#define HALF2_BITS(a, b) (uint32_t(__half_as_ushort(__float2half_rn(a))) | (uint32_t(__half_as_ushort(__float2half_rn(b))) << 16))
+#define GLOBAL(T) T
+#define MAKE_UINT4(a, b, c, d) make_uint4(a, b, c, d)
 __device__ __forceinline__ float shuffle_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float shuffle_idx(float v, int l) { return __shfl_sync(0xffffffffu, v, l); }
 // Threadgroup memory sized at launch (MLX's `shared_memory`, which MLX lets past 48 KB):

@@ -31,6 +31,9 @@ inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
 #define FUNNEL_R(lo, hi, s) uint32_t(((ulong(hi) << 32) | ulong(lo)) >> (s))
 #define RSQRTF(x) metal::rsqrt(x)
 #define FLOAT_TO_HALF(x) half(x)
+#define HALF2_BITS(a, b) (uint32_t(as_type<ushort>(half(a))) | (uint32_t(as_type<ushort>(half(b))) << 16))
+#define GLOBAL(T) device T
+#define MAKE_UINT4(a, b, c, d) uint4(a, b, c, d)
 inline float shuffle_xor(float v, int m) { return simd_shuffle_xor(v, ushort(m)); }
 inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
 // Threadgroup memory declared with its size (at most 32 KB on Apple GPUs: kernels/plan.py

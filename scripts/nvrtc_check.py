@@ -50,7 +50,7 @@ CASES = [
     # q, k, v from one stacked Q|K|gate|V row per token (row stride 68 heads)
     *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),
-        ("K_OFF", 32 * hd), ("V_OFF", 66 * hd), ("QS", 68 * hd), ("KS", 68 * hd), ("VS", 68 * hd)])
+        ("K_OFF", 32 * hd), ("V_OFF", 66 * hd), ("QS", 68 * hd), ("KS", 68 * hd), ("VS", 68 * hd), ("ROWS", 1)])
       for hd, rh in ((128, 64), (128, 0), (48, 16))],
     ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
     *[(f"dequant_{v}", ["uint8"], ["float16"], [("K", 6656), ("N", 19968), ("UPR", 6656 // u), ("TPG", 256)])

@@ -70,7 +70,7 @@ namespace metal { using std::exp; using std::sqrt; using std::max; using std::mi
 struct float2 { float x, y; float2(float a, float b) : x(a), y(b) {} };
 struct float4 { float x, y, z, w; float4() = default; float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {} };
 struct uint2 { uint32_t x, y; };
-struct uint4 { uint32_t x, y, z, w; };
+struct uint4 { uint32_t x, y, z, w; uint4() = default; uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) : x(a), y(b), z(c), w(d) {} };
 struct emu_uint3 { uint32_t x, y, z; };
 thread_local emu_uint3 thread_position_in_threadgroup, threadgroup_position_in_grid, threadgroups_per_grid;
 thread_local uint32_t thread_index_in_simdgroup, simdgroup_index_in_threadgroup;

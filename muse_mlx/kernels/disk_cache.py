@@ -125,9 +125,24 @@ def module_path(directory: Path, module: str) -> Path:
 # ---- NVRTC, as MLX calls it (jit_module.cpp: compile) ------------------------------------
 
 
+# MLX hands NVRTC its device headers from strings inside libmlx, not files; the wheel ships only
+# config.h. The one our kernels' text includes (MLX's wrapper does) is utils.cuh, which defines
+# helpers in mlx::core::cu that our kernels do not call; for our compiles it is this stand-in with
+# the same system includes. tests/gpu checks that kernels compiled this way give bitwise the
+# outputs of the ones MLX compiles itself.
+UTILS_STAND_IN = """#pragma once
+#include "mlx/backend/cuda/device/config.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+"""
+
+
 class Nvrtc:
     """NVRTC through ctypes (the library MLX's CUDA backend loads: pip's nvidia-cuda-nvrtc), with
-    the include folders MLX passes (include_path_args)."""
+    the include folders MLX passes (include_path_args) and UTILS_STAND_IN."""
 
     def __init__(self, lib: ctypes.CDLL, includes: list[Path], capability: tuple[int, int]):
         self.lib, self.includes, self.capability = lib, includes, capability
@@ -160,8 +175,10 @@ class Nvrtc:
         lib, major, minor = self.lib, *self.capability
         prog = ctypes.c_void_p()
         expr = f"mlx::core::cu::{kernel}".encode()
+        headers = (ctypes.c_char_p * 1)(UTILS_STAND_IN.encode())
+        names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
         self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{kernel}.cu".encode(),
-                                           0, None, None), "nvrtcCreateProgram")
+                                           1, headers, names), "nvrtcCreateProgram")
         try:
             self._check(lib.nvrtcAddNameExpression(prog, expr), "nvrtcAddNameExpression")
             opts = [b"--device-as-default-execution-space",

@@ -127,18 +127,29 @@ class DecodeStep:
 F16_PRODUCT_TOP = 15
 
 
-def f16_product(x: mx.array, w16: mx.array, l1_max: mx.array) -> mx.array:
-    """x (rows, in) float32 times w16^T (in, out) on the tensor cores; l1_max: the largest row L1
-    norm of w16 (a 1-element float32 array). x is rounded to f16 after a per-row power-of-two
-    scaling, MLX's f16 GEMM accumulates in float32, its f16 result is scaled back. -> (rows, out)
-    float32. The prefill lane of KernelConfig.prefill_f16."""
+@mx.compile
+def _scaled_f16(x: mx.array, l1_max: mx.array) -> tuple[mx.array, mx.array]:
+    """(x scaled per row and rounded to f16, the inverse scale per row): one compiled graph."""
     bound = mx.max(mx.abs(x), axis=-1, keepdims=True) * l1_max
     exponent = mx.ceil(mx.log2(mx.maximum(bound, 2.0 ** -100))).astype(mx.int32)
     k = mx.clip(F16_PRODUCT_TOP - exponent, -126, 127)
     scale = ((k + 127) << 23).view(mx.float32)          # 2^k, built from its bits: exact
     inverse = ((127 - k) << 23).view(mx.float32)
-    y = (x * scale).astype(mx.float16) @ w16.T
+    return (x * scale).astype(mx.float16), inverse
+
+
+@mx.compile
+def _unscaled(y: mx.array, inverse: mx.array) -> mx.array:
     return y.astype(mx.float32) * inverse
+
+
+def f16_product(x: mx.array, w16: mx.array, l1_max: mx.array) -> mx.array:
+    """x (rows, in) float32 times w16^T (in, out) on the tensor cores; l1_max: the largest row L1
+    norm of w16 (a 1-element float32 array). x is rounded to f16 after a per-row power-of-two
+    scaling, MLX's f16 GEMM accumulates in float32, its f16 result is scaled back. -> (rows, out)
+    float32. The prefill lane of KernelConfig.prefill_f16."""
+    x16, inverse = _scaled_f16(x, l1_max)
+    return _unscaled(x16 @ w16.T, inverse)
 
 
 class GpuOps(ReferenceOps):

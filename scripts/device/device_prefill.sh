@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # One device call for issue 17's prefill and cold start, side by side with llama.cpp where an
 # earlier call on this machine built it (LLAMA_BUILD=1 LLAMA_TARGETS="llama-bench llama-completion").
-# PARTS (default "cold prefill"), in this order:
-#   probe   scripts/device/probe_prefill.py: one layer's steps timed alone ($OUT/prefill-probe.json)
+# PARTS (default "cold prefill"); those named run in this order:
 #   checks  the GPU checks selected by PYTEST_K (tests/gpu/test_kernels.py; $OUT/gpu-tests.log,
 #           verification.json), at most TEST_TIMEOUT seconds (default 200)
+#   probe   scripts/device/probe_prefill.py: one layer's steps timed alone ($OUT/prefill-probe.json)
+#   prefill the bench's --prefill 512,2048 at --prefill-depths 0,32768 on each of LANES (default
+#           "f16 f32": prefill_f16 = 1 / 0), then llama-bench -p 512,2048 -d 0,32768 when built
+#           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 #   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
 #           warm, MLX's kernel disk cache in a fresh folder: without our kernel cache
 #           (--no-kernel-cache), then twice with it (the first run compiles and writes, the second
 #           reads); then `llama-completion -n 1` twice when built ($OUT/cold-start.json)
-#   prefill the bench's --prefill 512,2048 at --prefill-depths 0,32768 on each of LANES (default
-#           "f16 f32": prefill_f16 = 1 / 0), then llama-bench -p 512,2048 -d 0,32768 when built
-#           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 # Carry .device/revision (and .device/part2 on a machine no call has set up yet).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,32 +22,20 @@ G=/tmp/bench.gguf
 LLAMA=/tmp/llama/llama.cpp/build/bin
 wait_llama() { [ -d /tmp/llama ] || return 0; for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
   echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -2 /tmp/llama/build.log; }
-[ -f $G ] || python3 scripts/make_bench_gguf.py $G 2>&1 | tail -2 | tee "$OUT/make-gguf.log"
-cat $G > /dev/null   # the file in the page cache, as the issue's timings had it
-if [[ " $PARTS " == *" probe "* ]]; then
-  timeout 150 python3 scripts/device/probe_prefill.py $G "$OUT/prefill-probe.json" 2>&1 | tee "$OUT/prefill-probe.log"
-fi
+need_gguf() {  # the bench GGUF, in the page cache as the issue's timings had it
+  [ -f $G ] || python3 scripts/make_bench_gguf.py $G 2>&1 | tail -2 | tee "$OUT/make-gguf.log"; cat $G > /dev/null; }
 if [[ " $PARTS " == *" checks "* ]]; then
   t0=$(date +%s)
   MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/gpu/test_kernels.py \
     ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider -rf --tb=short -v > "$OUT/gpu-tests.log" 2>&1
   echo "GPU tests rc $? in $(( $(date +%s) - t0 )) s"; grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head; tail -2 "$OUT/gpu-tests.log"
 fi
-if [[ " $PARTS " == *" cold "* ]]; then
-  rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
-  GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
-  specs=("no-kernel-cache|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --no-kernel-cache"
-         "kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
-         "kernel-cache-second|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
-  wait_llama
-  if [ -x $LLAMA/llama-completion ]; then
-    LC="$LLAMA/llama-completion -m $G -p 'The quick brown fox jumps over the lazy dog, and then' -n 1 -ngl 99 -no-cnv"
-    specs+=("llama-completion-1||$LC" "llama-completion-2||$LC")
-  fi
-  timeout 420 python3 scripts/device/cold_start.py "$OUT/cold-start.json" "${specs[@]}" 2>&1 | tee "$OUT/cold-start.log"
-  ls /tmp/ptx-cold | wc -l
+if [[ " $PARTS " == *" probe "* ]]; then
+  need_gguf
+  timeout 150 python3 scripts/device/probe_prefill.py $G "$OUT/prefill-probe.json" 2>&1 | tee "$OUT/prefill-probe.log"
 fi
 if [[ " $PARTS " == *" prefill "* ]]; then
+  need_gguf
   for lane in ${LANES:-f16 f32}; do
     cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"
     timeout 240 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 512,2048 \
@@ -63,5 +51,20 @@ if [[ " $PARTS " == *" prefill "* ]]; then
         --receipt "$OUT/bench-compare-$lane.json"
     done
   fi
+fi
+if [[ " $PARTS " == *" cold "* ]]; then
+  need_gguf
+  rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
+  GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
+  specs=("no-kernel-cache|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --no-kernel-cache"
+         "kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
+         "kernel-cache-second|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
+  wait_llama
+  if [ -x $LLAMA/llama-completion ]; then
+    LC="$LLAMA/llama-completion -m $G -p 'The quick brown fox jumps over the lazy dog, and then' -n 1 -ngl 99 -no-cnv"
+    specs+=("llama-completion-1||$LC" "llama-completion-2||$LC")
+  fi
+  timeout 420 python3 scripts/device/cold_start.py "$OUT/cold-start.json" "${specs[@]}" 2>&1 | tee "$OUT/cold-start.log"
+  ls /tmp/ptx-cold | wc -l
 fi
 bash scripts/device/pack_out.sh

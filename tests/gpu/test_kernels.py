@@ -572,45 +572,73 @@ device = gpu_device()
 nvrtc = Nvrtc.find(device.capability)
 assert nvrtc is not None, "no NVRTC"
 cache = KernelCache(sys.argv[1], nvrtc)
+header, body = source.texts("residual_norm", "cuda")
+args = ("muse_residual_norm", header, body, [(n, mx.float32, 2 if n in ("x", "f") else 1)
+        for n in ("x", "f", "w_post", "w_next", "eps")], [("x_out", mx.float32), ("h", mx.float32)], [("N", 256), ("TPG", 256)])
+kernel, real = mlx_source(*args)   # a module under residual_norm's name whose body writes 42 everywhere
+_, fake = mlx_source(*args[:2], "x_out[blockIdx.y * N + threadIdx.x] = 42.0f; h[blockIdx.y * N + threadIdx.x] = 42.0f;\n", *args[3:])
+binary, mangled = nvrtc.compile(kernel, fake)
+path = module_path(cache.directory, module_name(kernel, real))
+path.parent.mkdir(parents=True, exist_ok=True)
+path.with_suffix(".txt").write_text(f"mlx::core::cu::{kernel}\t{mangled}\n")
+path.write_bytes(binary)
 x = mx.array(np.full((2, 256), 1.0, np.float32)); f = mx.array(np.full((2, 256), 2.0, np.float32))
 w = mx.ones((256,)); eps = mx.array([1e-6, 1e-6], dtype=mx.float32)
-k = Kernels(device, disk_cache=cache)
-if sys.argv[2] == "poison":   # a module under residual_norm's name whose body writes 42 everywhere
-    header, body = source.texts("residual_norm", "cuda")
-    args = ("muse_residual_norm", header, body, [(n, mx.float32, 2 if n in ("x", "f") else 1)
-            for n in ("x", "f", "w_post", "w_next", "eps")], [("x_out", mx.float32), ("h", mx.float32)],
-            [("N", 256), ("TPG", 256)])
-    kernel, real = mlx_source(*args)
-    _, fake = mlx_source(*args[:2], "x_out[blockIdx.y * N + threadIdx.x] = 42.0f; h[blockIdx.y * N + threadIdx.x] = 42.0f;\n", *args[3:])
-    binary, mangled = nvrtc.compile(kernel, fake)
-    path = module_path(cache.directory, module_name(kernel, real))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".txt").write_text(f"mlx::core::cu::{kernel}\t{mangled}\n")
-    path.write_bytes(binary)
-r, h = k.residual_norm(x, f, w, w, eps)
-k.ready()
-print(float(np.array(r).max()), len(cache.written), len(cache.failed))
+r, h = Kernels(device).residual_norm(x, f, w, w, eps)
+print(float(np.array(r).max()))
+'''
+
+_MODEL_RUN = r'''
+import sys
+import mlx.core as mx, numpy as np
+from muse_mlx.model import load
+path, cache, out = sys.argv[1], sys.argv[2] == "on", sys.argv[3]
+model = load(path, "gpu", kernel_cache=cache)
+tokens = np.random.default_rng(21).integers(0, model.geometry.n_vocab, 29)
+c = model.make_cache(64)
+rows = [np.array(model.prefill(mx.array(tokens[:20]), c, all_logits=True)),   # the f16 prefill lane
+        np.array(model.prefill(mx.array(tokens[20:23]), c, all_logits=True))]  # the matvecs over 3 rows
+rows += [np.array(model.step(int(t), c))[None] for t in tokens[23:]]          # the compiled decode step
+np.save(out, np.concatenate(rows))
+dc = model.ops.kernels.disk_cache
+print(len(dc.written) if dc else -1, len(dc.failed) if dc else -1, *(dc.failed[:1] if dc else []))
 '''
 
 
-@CUDA_ONLY
-def test_mlx_loads_the_modules_written(tmp_path):
-    """MLX reads the disk cache at the names disk_cache computes: a module written under
-    residual_norm's name with a body that writes 42 is what a fresh process then runs (so the
-    names are MLX's); and a module KernelCache compiles itself gives the right result (x + rmsnorm(f) = 2)."""
+def _fresh(script, *args, cache_dir):
     import subprocess
     import sys
 
-    def fresh(directory, mode):
-        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(directory))
-        r = subprocess.run([sys.executable, "-c", _MLX_READS, str(directory), mode], env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout.split()
-    poisoned = fresh(tmp_path / "poison", "poison")
-    first = fresh(tmp_path / "plain", "plain")    # compiles and writes residual_norm's module
-    second = fresh(tmp_path / "plain", "plain")   # finds it: nothing to write
-    ok = float(poisoned[0]) == 42.0 and float(first[0]) == 2.0 and first[1:] == ["1", "0"] \
-        and float(second[0]) == 2.0 and second[1:] == ["0", "0"]
-    record("disk_cache_read_by_mlx", poisoned=poisoned, first=first, second=second, **{"pass": ok})
-    assert ok, (poisoned, first, second)
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache_dir))
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.split()
+
+
+@CUDA_ONLY
+def test_mlx_reads_the_modules_written(tmp_path):
+    """MLX loads a module from the disk cache at the name disk_cache computes: one written under
+    residual_norm's name whose body writes 42 is what a fresh process runs."""
+    out = _fresh(_MLX_READS, tmp_path, cache_dir=tmp_path)
+    record("disk_cache_read_by_mlx", output=out, **{"pass": out == ["42.0"]})
+    assert out == ["42.0"], out
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("name", RANDOM_FIXTURES)
+def test_cached_kernels_compute_what_mlx_compiles(fixture_files, tmp_path, name):
+    """The whole kernel path (f16 prefill, matvecs over 3 rows, the compiled decode step) in fresh
+    processes: with MLX compiling every kernel (no kernel cache), with the cache writing its
+    modules, and with them read back: bitwise the same logits, the modules written once and then
+    read (nothing compiled by us the second time)."""
+    path = fixture_files[name]
+    plain = _fresh(_MODEL_RUN, path, "off", tmp_path / "plain.npy", cache_dir=tmp_path / "mlx-only")
+    first = _fresh(_MODEL_RUN, path, "on", tmp_path / "first.npy", cache_dir=tmp_path / "ours")
+    second = _fresh(_MODEL_RUN, path, "on", tmp_path / "second.npy", cache_dir=tmp_path / "ours")
+    a, b, c = (np.load(tmp_path / f"{n}.npy") for n in ("plain", "first", "second"))
+    ok = bool(np.isfinite(a).all() and np.array_equal(a, b) and np.array_equal(a, c) and int(first[0]) > 0
+              and first[1] == "0" and second[:2] == ["0", "0"])
+    record("disk_cache_bitwise", fixture=name, first=first[:2], second=second[:2], failed=first[2:3],
+           max_abs=float(np.abs(a - c).max()), **{"pass": ok})
+    assert ok, (first, second, float(np.abs(a - b).max()), float(np.abs(a - c).max()))
