@@ -38,6 +38,18 @@ def _stats(samples: list[float]) -> dict:
     return {"mean": mean, "cv": cv, "samples": samples}
 
 
+def eval_ms(fn, reps: int, warmup: int) -> list[float]:
+    """Milliseconds to build and evaluate fn()'s arrays, `reps` times after `warmup` untimed runs."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        samples.append((time.perf_counter() - t) * 1e3)
+    return samples
+
+
 def read_bandwidth_gbps(gigabytes: float = 8.0, reps: int = 5) -> dict:
     """Read bandwidth as MLX's sum over a large float32 array (bytes read / time)."""
     n = int(gigabytes * 1e9 / 4)
@@ -137,17 +149,7 @@ def matvec_chain_cell(model, reps: int, warmup: int) -> dict:
         return [mx.quantized_matmul(xs16[p.n_in], wq, s, b, transpose=True, group_size=32, bits=4)
                 for p, (wq, s, b) in zip(projs, quantized)]
 
-    def time_it(fn) -> list[float]:
-        for _ in range(warmup):
-            mx.eval(fn())
-        samples = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            mx.eval(fn())
-            samples.append((time.perf_counter() - t) * 1e3)
-        return samples
-
-    ours_ms, qmm_ms = time_it(ours), time_it(mlx_qmm)
+    ours_ms, qmm_ms = eval_ms(ours, reps, warmup), eval_ms(mlx_qmm, reps, warmup)
     qmm_bytes = sum(wq.nbytes + s.nbytes + b.nbytes for wq, s, b in quantized)
     return {"projections": len(projs), "ours_ms": _stats(ours_ms), "mlx_qmm_ms": _stats(qmm_ms),
             "ours_weight_bytes": sum(p.data.nbytes for p in projs), "mlx_qmm_weight_bytes": qmm_bytes,
