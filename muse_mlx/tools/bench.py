@@ -171,13 +171,7 @@ def launch_overhead_cell(model, launches: int, reps: int, warmup: int) -> dict:
     def chain():
         return [model.ops.project(w, x) for _ in range(launches)]
 
-    for _ in range(warmup):
-        mx.eval(chain())
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(chain())
-        samples.append((time.perf_counter() - t) * 1e6 / launches)
+    samples = [ms * 1e3 / launches for ms in eval_ms(chain, reps, warmup)]
     return {"launches": launches, "us_per_launch": _stats(samples)}
 
 
