@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-config", default="",
                    help="GPU kernel values, name=value,... (muse_mlx.config.KernelConfig; e.g. prefill_f16=0 for the "
                         "float32 prefill lane)")
-    p.add_argument("--kernel-cache", action="store_true",
-                   help="compile the GPU kernels into MLX's disk cache, so that the next run loads them (CUDA; "
-                        "experimental: see docs/kernels.md)")
+    p.add_argument("--kernel-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the GPU kernels into MLX's disk cache, so that the next run loads them instead of "
+                        "compiling them (CUDA; default on)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--prompt-cache", metavar="DIR", nargs="?", const="",
                     help="reuse the longest stored prefix of the prompt and store this prompt's checkpoints "

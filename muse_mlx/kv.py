@@ -79,15 +79,15 @@ class _Rows:
             self.values[:, :held, :] = values
         self.offset = offset
 
-    def restore_storage(self, keys: np.ndarray, values: np.ndarray, offset: int) -> None:
-        """Take `keys`, `values` (n_kv, capacity, head_dim), the whole storage with the held rows
-        `offset` implies first (kvpack's restore, which builds them in place), next position `offset`."""
+    def restore_storage(self, keys: mx.array, values: mx.array, offset: int) -> None:
+        """Take `keys`, `values` (n_kv, capacity, head_dim) f16, the whole storage with the held rows
+        `offset` implies first (kvpack's restore, which puts them together), next position `offset`."""
         want = self.keys.shape
-        if keys.shape != want or values.shape != want or keys.dtype != np.float16 or values.dtype != np.float16 \
+        if keys.shape != want or values.shape != want or keys.dtype != mx.float16 or values.dtype != mx.float16 \
                 or self.dtype != mx.float16:
             raise ValueError(f"restore needs f16 K and V storage of shape {want}, got {keys.shape} {keys.dtype} / "
                              f"{values.shape} {values.dtype}")
-        self.keys, self.values = mx.array(keys), mx.array(values)
+        self.keys, self.values = keys, values
         self.offset = offset
 
     def rebind(self, keys: mx.array, values: mx.array, n_new: int) -> None:

@@ -20,21 +20,21 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as st_load
+import io
 from safetensors.numpy import save as st_save
 
 from .errors import MuseError
 from .geometry import Geometry
 from .kv import KV_DTYPE, SlotCache
 
-FORMAT = "muse-kvpack/1"
+FORMAT = "muse-kvpack/2"
 ENCODINGS = {"f16": np.float16, "f32": np.float32}
 CHUNK_ROWS = 256          # positions per plane chunk: the unit a common prefix shares
 READ_THREADS = min(8, os.cpu_count() or 1)   # blobs read and hashed at once by a restore or verify
 RING_GROUP = 13           # sliding layers per ring blob (the book's transfer schedule: 39 = 3 x 13)
 MANIFEST_MAX_BYTES = 64 * 2**20
 HASH_PIECE = 16 * 2**20
+HEADER_MAX_BYTES = 2**20   # a blob's safetensors header (one tensor: ~100 B)
 
 
 class PackError(MuseError):
@@ -191,13 +191,10 @@ def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", c
 
         for c in to_write:
             a, b = c["first"] - lo, c["first"] - lo + c["rows"]
-            put(c, {f"{kv}.{i}": arr(rows[i][j][:, a:b, :]) for i in full for j, kv in enumerate("kv")})
+            put(c, {"kv": arr(np.stack([np.stack([rows[i][0][:, a:b, :], rows[i][1][:, a:b, :]]) for i in full]))})
         for grp in groups:
-            tensors = {}
-            for i in grp["layers"]:
-                k, v = cache.layers[i].held_rows()
-                tensors[f"k.{i}"], tensors[f"v.{i}"] = arr(np.array(k)), arr(np.array(v))
-            put(grp, tensors)
+            put(grp, {"kv": arr(np.stack([np.stack([np.array(r) for r in cache.layers[i].held_rows()])
+                                         for i in grp["layers"]]))})
         for entry, future in pending:
             entry["blob"], entry["bytes"] = future.result()
     chunks = [{"first": c["first"], "rows": c["rows"], "blob": c["blob"], "bytes": c["bytes"]} for c in chunks]
@@ -324,81 +321,117 @@ def check_for_model(pack: Pack, geometry: Geometry, model_fingerprint: str) -> N
     _need(not diff, pack.path, f"made for another geometry ({', '.join(sorted(diff))} differ)")
 
 
-def _read_blob(pack: Pack, name: str, want: dict[str, tuple], dtype=None) -> dict[str, np.ndarray]:
-    """A blob, its hash checked against its name, holding exactly `want` (name -> shape) at the
-    encoding (or `dtype`)."""
-    f = pack.path / "blobs" / f"{name}.safetensors"
+@dataclass(frozen=True)
+class _Blob:
+    """A blob whose bytes hashed to its name and whose header was checked: the bytes (the same
+    object is handed to MLX, so what was checked is what is loaded) and its one tensor's place."""
+    data: bytes
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    start: int
+
+    def host(self) -> np.ndarray:
+        """The tensor, a read-only view of the bytes."""
+        count = int(np.prod(self.shape))
+        return np.frombuffer(self.data, self.dtype, count, self.start).reshape(self.shape)
+
+    def device(self) -> mx.array:
+        """The tensor as an MLX array: loaded from the bytes by MLX (on a GPU, a copy to device
+        memory, not to memory the host first writes)."""
+        return mx.load(io.BytesIO(self.data), format="safetensors")[self.name]
+
+
+_ST_DTYPES = {"F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
+
+
+def _tensor_header(data: bytes, pack: Pack, name: str) -> dict:
+    """The safetensors header of a blob's bytes, checked for form: its tensors' dtypes, shapes and
+    data offsets, which must tile the data exactly (no gap, no overlap, nothing past the end)."""
+    tag = f"blob {name[:12]}..."
+    _need(len(data) >= 8, pack.path, f"{tag} is not a safetensors file (shorter than its header's length)")
+    n = int.from_bytes(data[:8], "little")
+    _need(n <= min(HEADER_MAX_BYTES, len(data) - 8), pack.path, f"{tag} is not a safetensors file (its header "
+          f"claims {n:,} bytes)")
     try:
-        data = f.read_bytes()
+        header = json.loads(data[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise PackError(f"{pack.path}: {tag} is not a safetensors file (its header is not JSON)") from None
+    _need(isinstance(header, dict), pack.path, f"{tag} is not a safetensors file (its header is not an object)")
+    header.pop("__metadata__", None)
+    spans = []
+    for key, t in header.items():
+        ok = (isinstance(t, dict) and t.get("dtype") in _ST_DTYPES and isinstance(t.get("shape"), list)
+              and all(_int(d) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
+              and len(t["data_offsets"]) == 2 and all(_int(o) for o in t["data_offsets"]))
+        _need(ok, pack.path, f"{tag} is not a safetensors file (tensor {str(key)[:20]!r} is malformed)")
+        first, end = t["data_offsets"]
+        _need(end - first == int(np.prod(t["shape"], dtype=np.int64)) * _ST_DTYPES[t["dtype"]].itemsize,
+              pack.path, f"{tag} is not a safetensors file (tensor {key[:20]!r}'s offsets do not fit its shape)")
+        spans.append((first, end))
+    at = 0
+    for first, end in sorted(spans):
+        _need(first == at, pack.path, f"{tag} is not a safetensors file (its tensors do not tile its data)")
+        at = end
+    _need(8 + n + at == len(data), pack.path, f"{tag} is not a safetensors file (its data is {len(data) - 8 - n:,} "
+          f"bytes, its tensors {at:,})")
+    for t in header.values():
+        t["data_offsets"] = [8 + n + o for o in t["data_offsets"]]
+    return header
+
+
+def _read_blob(pack: Pack, name: str, key: str, shape: tuple, dtype=None) -> _Blob:
+    """A blob, its size bounded before it is read, its hash checked against its name, holding
+    exactly one tensor `key` of `shape` at the encoding (or `dtype`); f32 values must be f16 values."""
+    f = pack.path / "blobs" / f"{name}.safetensors"
+    dt = np.dtype(dtype or ENCODINGS[pack.manifest["encoding"]])
+    need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    try:
+        with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            _need(need + 8 <= size <= need + 8 + HEADER_MAX_BYTES, pack.path, f"blob {name[:12]}... is {size:,} bytes; "
+                  f"its tensor needs {need:,} (changed or cut)")
+            data = fh.read()
     except OSError as exc:
         raise PackError(f"{pack.path}: blob {name[:12]}... is missing ({exc.strerror})") from None
     _need(hashlib.sha256(data).hexdigest() == name, pack.path, f"blob {name[:12]}... does not hash to its name "
           f"(changed or cut)")
-    try:
-        tensors = st_load(data)
-    except (SafetensorError, ValueError, OSError) as exc:
-        raise PackError(f"{pack.path}: blob {name[:12]}... is not a safetensors file ({exc})") from None
-    dt = np.dtype(dtype or ENCODINGS[pack.manifest["encoding"]])
-    _need(set(tensors) == set(want), pack.path, f"blob {name[:12]}... holds {sorted(tensors)[:4]}, not the layers "
-          f"the manifest names")
-    for key, shape in want.items():
-        t = tensors[key]
-        _need(t.dtype == dt and t.shape == shape, pack.path,
-              f"blob {name[:12]}... tensor {key} is {t.dtype} {t.shape}, not {dt} {shape}")
-        if dtype is None and dt != np.float16:
-            _need(bool(np.array_equal(t.astype(np.float16).astype(dt), t, equal_nan=True)), pack.path,
-                  f"blob {name[:12]}... tensor {key} holds values f16 cannot represent exactly")
-    return tensors
+    header = _tensor_header(data, pack, name)
+    _need(list(header) == [key], pack.path, f"blob {name[:12]}... holds {sorted(header)[:4]}, not the one tensor "
+          f"{key!r} the manifest implies")
+    t = header[key]
+    blob = _Blob(data, key, _ST_DTYPES[t["dtype"]], tuple(t["shape"]), t["data_offsets"][0])
+    _need(blob.dtype == dt and blob.shape == tuple(shape), pack.path,
+          f"blob {name[:12]}... tensor {key} is {blob.dtype} {blob.shape}, not {dt} {tuple(shape)}")
+    if dtype is None and dt != np.float16:
+        v = blob.host()
+        _need(bool(np.array_equal(v.astype(np.float16).astype(dt), v, equal_nan=True)), pack.path,
+              f"blob {name[:12]}... holds values f16 cannot represent exactly")
+    return blob
 
 
-def _layer_rows(pack: Pack, capacity: dict[int, int] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Every layer's K and V (n_kv, rows, hd) f16, from verified blobs: the held rows, or with
-    `capacity` (layer -> storage rows) the whole storage, the held rows first and zeros after
-    (each chunk copied once, straight to its place)."""
+def _row_blobs(pack: Pack) -> tuple[list[_Blob], list[_Blob]]:
+    """The plane chunks' and ring groups' blobs, every one checked (_read_blob), several at once:
+    reading and SHA-256 release the GIL, so a large pack is hashed on as many cores as threads."""
     m, g = pack.manifest, _geometry(pack)
-    n_kv, hd = g.n_head_kv, g.head_dim
-    full = [i for i in range(g.n_layer) if not g.is_swa(i)]
-    wanted = [(c["blob"], {f"{kv}.{i}": (n_kv, c["rows"], hd) for i in full for kv in "kv"}) for c in m["plane_chunks"]]
-    wanted += [(grp["blob"], {f"{kv}.{i}": (n_kv, m["ring_rows_held"], hd) for i in grp["layers"] for kv in "kv"})
-               for grp in m["ring_groups"]]
-    blobs = _read_blobs(pack, wanted)
-    held = {i: (m["ring_rows_held"] if g.is_swa(i) else sum(c["rows"] for c in m["plane_chunks"]))
-            for i in range(g.n_layer)}
-    out = {}
-    for i in range(g.n_layer):
-        rows = capacity[i] if capacity is not None else held[i]
-        _need(rows >= held[i], pack.path, f"layer {i} holds {held[i]} rows, more than its storage's {rows}")
-        alloc = np.zeros if rows > held[i] else np.empty
-        out[i] = (alloc((n_kv, rows, hd), np.float16), alloc((n_kv, rows, hd), np.float16))
-    first = 0
-    for c, t in zip(m["plane_chunks"], blobs):
-        for i in full:
-            out[i][0][:, first:first + c["rows"]] = t[f"k.{i}"]
-            out[i][1][:, first:first + c["rows"]] = t[f"v.{i}"]
-        first += c["rows"]
-    for grp, t in zip(m["ring_groups"], blobs[len(m["plane_chunks"]):]):
-        for i in grp["layers"]:
-            out[i][0][:, :held[i]] = t[f"k.{i}"]
-            out[i][1][:, :held[i]] = t[f"v.{i}"]
-    return out
-
-
-def _read_blobs(pack: Pack, wanted: list[tuple[str, dict]]) -> list[dict[str, np.ndarray]]:
-    """_read_blob of each (name, want), several at once: reading and SHA-256 release the GIL, so the
-    hashing of a large pack runs on as many cores as there are threads."""
+    n_kv, hd, n_full = g.n_head_kv, g.head_dim, g.n_layer - g.n_swa
+    wanted = [(c["blob"], (n_full, 2, n_kv, c["rows"], hd)) for c in m["plane_chunks"]]
+    wanted += [(grp["blob"], (len(grp["layers"]), 2, n_kv, m["ring_rows_held"], hd)) for grp in m["ring_groups"]]
     if len(wanted) < 2:
-        return [_read_blob(pack, name, want) for name, want in wanted]
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(wanted))) as pool:
-        return list(pool.map(lambda w: _read_blob(pack, *w), wanted))
+        blobs = [_read_blob(pack, name, "kv", shape) for name, shape in wanted]
+    else:
+        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(wanted))) as pool:
+            blobs = list(pool.map(lambda w: _read_blob(pack, w[0], "kv", w[1]), wanted))
+    return blobs[:len(m["plane_chunks"])], blobs[len(m["plane_chunks"]):]
 
 
 def verify(path, geometry: Geometry | None = None, model_fingerprint: str | None = None) -> Pack:
-    """The whole pack checked: manifest, seal, every blob's hash, names, dtypes and shapes; and,
-    given a model, that it was made for that model."""
+    """The whole pack checked: manifest, seal, every blob's size, hash, header, dtype and shape;
+    and, given a model, that it was made for that model."""
     pack = read_manifest(path)
     if geometry is not None:
         check_for_model(pack, geometry, model_fingerprint or "")
-    _layer_rows(pack)
+    _row_blobs(pack)
     read_last_logits(pack)
     return pack
 
@@ -410,14 +443,25 @@ def read_last_logits(pack: Pack) -> np.ndarray | None:
     if ll is None:
         return None
     n_vocab = pack.manifest["geometry"]["n_vocab"]
-    logits = _read_blob(pack, ll["blob"], {"logits": (n_vocab,)}, dtype=np.float32)["logits"]
+    logits = _read_blob(pack, ll["blob"], "logits", (n_vocab,), dtype=np.float32).host().copy()
     _need(bool(np.isfinite(logits).all()), pack.path, "last_logits holds values that are not finite")
     return logits
 
 
+def _storage(rows: mx.array, capacity: int) -> mx.array:
+    """A layer's K or V storage: `rows` (n_kv, held, hd) first, zeros after, as its own f16 array."""
+    rows = rows.astype(KV_DTYPE)
+    pad = capacity - rows.shape[1]
+    if not pad:
+        return mx.contiguous(rows)
+    return mx.concatenate([rows, mx.zeros((rows.shape[0], pad, rows.shape[2]), KV_DTYPE)], axis=1)
+
+
 def restore(path, geometry: Geometry, model_fingerprint: str, context: int | None = None) -> tuple[SlotCache, list[int]]:
     """A new SlotCache holding the pack's rows and offset, and the token ids they are of. Every
-    check runs before the cache is allocated."""
+    check, every blob's included, runs before any of the cache's storage is made. The rows go to
+    MLX blob by blob (mx.load of the checked bytes) and are put in place by MLX ops: on a GPU
+    the storage is made on the device."""
     pack = read_manifest(path)
     check_for_model(pack, geometry, model_fingerprint)
     m = pack.manifest
@@ -427,10 +471,26 @@ def restore(path, geometry: Geometry, model_fingerprint: str, context: int | Non
     _need(geometry.ring_rows(context) == geometry.ring_rows(m["context"]), pack.path,
           f"its rings were {geometry.ring_rows(m['context'])} rows; a context of {context} makes them "
           f"{geometry.ring_rows(context)}")
+    chunks, rings = _row_blobs(pack)
     cache = SlotCache(geometry, context, KV_DTYPE)
-    storage = _layer_rows(pack, {i: layer.capacity for i, layer in enumerate(cache.layers)})
-    for i, layer in enumerate(cache.layers):
-        layer.restore_storage(*storage.pop(i), m["offset"])
+    full = [i for i in range(geometry.n_layer) if not geometry.is_swa(i)]
+    if chunks:
+        planes = [b.device() for b in chunks]
+        plane = planes[0] if len(planes) == 1 else mx.concatenate(planes, axis=3)
+        for j, i in enumerate(full):
+            layer = cache.layers[i]
+            layer.restore_storage(_storage(plane[j, 0], layer.capacity), _storage(plane[j, 1], layer.capacity),
+                                  m["offset"])
+        del planes, plane
+    for grp, blob in zip(m["ring_groups"], rings):
+        ring = blob.device()
+        for j, i in enumerate(grp["layers"]):
+            layer = cache.layers[i]
+            layer.restore_storage(_storage(ring[j, 0], layer.capacity), _storage(ring[j, 1], layer.capacity),
+                                  m["offset"])
+    for layer in cache.layers:     # no rows held (offset 0): the storage as allocated, the offset set
+        layer.offset = m["offset"]
+    del chunks, rings
     mx.eval(cache.state())
     return cache, list(m["tokens"])
 

@@ -300,7 +300,7 @@ class Model(nn.Module):
 
 
 def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig(), progress=None,
-         kernel_cache: bool = False) -> Model:
+         kernel_cache: bool = True) -> Model:
     """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference', kernel_cache as
     ops.select_ops takes them."""
     from .artifact import open_artifact

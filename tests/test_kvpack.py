@@ -154,7 +154,8 @@ def test_a_tampered_blob_is_refused(pack, model, model_id, how):
         blob.write_bytes(bytes(data[:len(data) // 2]))
     else:
         blob.unlink()
-    refused(pack, model, model_id, "does not hash to its name" if how != "delete" else "missing")
+    refused(pack, model, model_id, {"flip": "does not hash to its name", "truncate": "its tensor needs .* \\(changed or cut\\)",
+                                    "delete": "missing"}[how])
 
 
 @pytest.mark.parametrize("change, fragment", [
@@ -184,6 +185,57 @@ def test_a_huge_manifest_is_refused_unread(pack, model, model_id):
     with open(pack / "manifest.json", "ab") as f:
         f.truncate(kvpack.MANIFEST_MAX_BYTES + 1)
     refused(pack, model, model_id, "more than")
+
+
+def _blob_bytes(header: dict, data: bytes, pad: int = 0) -> bytes:
+    """A safetensors file written by hand (the library refuses to write most of these)."""
+    text = json.dumps(header).encode() + b" " * pad
+    return len(text).to_bytes(8, "little") + text + data
+
+
+_KV = "kv"
+
+
+def _hostile(shape, data: bytes) -> dict[str, bytes]:
+    """Blobs of about the right size whose headers lie, each in one way."""
+    n = len(data)
+    ok = {"dtype": "F16", "shape": list(shape), "data_offsets": [0, n]}
+    return {
+        "header length past the file": (2**40).to_bytes(8, "little") + b"{}" + data,
+        "header not JSON": _blob_bytes({}, data)[:8] + b"\xff" * 2 + data,
+        "header a list": _blob_bytes([ok], data),                       # type: ignore[arg-type]
+        "unknown dtype": _blob_bytes({_KV: ok | {"dtype": "I8"}}, data),
+        "negative dimension": _blob_bytes({_KV: ok | {"shape": [-1] + list(shape[1:])}}, data),
+        "offsets past the data": _blob_bytes({_KV: ok | {"data_offsets": [2, n + 2]}}, data),
+        "offsets that do not fit the shape": _blob_bytes({_KV: ok | {"data_offsets": [2, n]}}, data),
+        "two tensors": _blob_bytes({_KV: ok | {"shape": [1] + list(shape[1:]), "data_offsets": [0, n // shape[0]]},
+                                    "rest": {"dtype": "F16", "shape": [shape[0] - 1] + list(shape[1:]),
+                                             "data_offsets": [n // shape[0], n]}}, data),
+        "another name": _blob_bytes({"k.0": ok}, data),
+        "another shape": _blob_bytes({_KV: ok | {"shape": [shape[0] * shape[1]] + list(shape[2:])}}, data),
+        "F32 in an f16 pack": _blob_bytes({_KV: ok | {"dtype": "F32", "shape": list(shape[:-1]) + [shape[-1] // 2]}},
+                                          data),
+    }
+
+
+@pytest.mark.parametrize("lie", list(_hostile((2, 2, 1, 4, 8), bytes(256))))
+def test_a_blob_whose_header_lies_is_refused_before_any_storage(pack, model, model_id, lie, monkeypatch):
+    """A blob that hashes to its name (a tamperer who rewrote the manifest and resealed it) but
+    whose safetensors header is hostile: refused in one line, before MLX loads anything."""
+    m = json.loads((pack / "manifest.json").read_text())
+    old = m["plane_chunks"][0]["blob"]
+    data = (pack / "blobs" / f"{old}.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    shape = tuple(json.loads(data[8:8 + n])["kv"]["shape"])
+    hostile = _hostile(shape, data[8 + n:])[lie]
+    new = hashlib.sha256(hostile).hexdigest()
+    (pack / "blobs" / f"{new}.safetensors").write_bytes(hostile)
+    rewrite(pack, lambda m: m["plane_chunks"][0].update(blob=new))
+    loads = []
+    monkeypatch.setattr(kvpack.mx, "load", lambda *a, **k: loads.append(a))
+    with pytest.raises(PackError, match=r"blob .* (is not a safetensors file|holds|tensor kv is)") as exc:
+        kvpack.restore(pack, model.geometry, model_id["fingerprint"])
+    assert "\n" not in str(exc.value) and not loads
 
 
 def test_an_f32_pack_of_values_f16_cannot_hold_is_refused(model, model_id, tmp_path):

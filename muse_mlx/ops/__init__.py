@@ -20,11 +20,11 @@ from ..errors import MuseError
 from .reference import ReferenceOps, Slice
 
 
-def select_ops(backend: str = "auto", config: KernelConfig = KernelConfig(), kernel_cache: bool = False) -> ReferenceOps:
+def select_ops(backend: str = "auto", config: KernelConfig = KernelConfig(), kernel_cache: bool = True) -> ReferenceOps:
     """kernel_cache: on CUDA, compile our kernels into MLX's disk cache (kernels/disk_cache.py) so
-    that the next process loads them instead of compiling (where NVRTC and the headers are found).
-    Off by default: that the modules it compiles give bitwise the outputs of MLX's own compiles
-    has a GPU check (tests/gpu) that has not yet run to completion (docs/ledger.md, 2026-12-01)."""
+    that the next process loads them instead of compiling (where NVRTC is found; else MLX compiles
+    them as without it). Its modules give bitwise MLX's own compiles' outputs (tests/gpu,
+    receipts/kernels/h200-3dcc931-verification-disk-cache-bitwise.json)."""
     from ..kernels import Kernels, gpu_device
 
     if backend not in BACKENDS:

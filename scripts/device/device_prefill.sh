@@ -10,7 +10,7 @@
 #           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 #   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
 #           warm, MLX's kernel disk cache in a fresh folder: without our kernel cache, then twice
-#           with it (--kernel-cache: the first run compiles and writes, the second reads; MLX's own
+#           with it (the default: the first run compiles and writes, the second reads; MLX's own
 #           JIT kernels are cached there from the first run on, whatever the flag); then `llama-completion -n 1` twice when built ($OUT/cold-start.json)
 # Carry .device/revision (and .device/part2 on a machine no call has set up yet).
 set -uo pipefail
@@ -56,9 +56,9 @@ if [[ " $PARTS " == *" cold "* ]]; then
   need_gguf
   rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
   GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
-  specs=("no-kernel-cache|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
-         "kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --kernel-cache"
-         "kernel-cache-second|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --kernel-cache")
+  specs=("no-kernel-cache|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --no-kernel-cache"
+         "kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
+         "kernel-cache-second|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
   wait_llama
   if [ -x $LLAMA/llama-completion ]; then
     LC="$LLAMA/llama-completion -m $G -p 'The quick brown fox jumps over the lazy dog, and then' -n 1 -ngl 99 -no-cnv"
