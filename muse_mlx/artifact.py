@@ -1,6 +1,6 @@
 """Open a muse-glimmer GGUF and enforce its contract, failing closed.
 
-`open_artifact(path)` memory-maps the file with gguf-py's reader and returns an
+`open_artifact(path)` memory-maps the file and returns an
 `Artifact`: the `Geometry` derived from its metadata, its tensors as raw block
 views (nothing is copied or dequantized here), and its tokenizer metadata.
 Any departure from the contract raises one `ArtifactError` whose message names
@@ -14,10 +14,12 @@ The file is untrusted input (issue 19). In order:
 1. `scan_header`: a bounded pre-scan of the header and tensor table (every count,
    length and type against the bytes left and sane limits; tensors laid out as
    llama.cpp requires, so offsets are aligned, in the file, non-overlapping and of the
-   right length) before gguf-py's reader walks it; the token list against the
+   right length), recording where each key's value lies; the token list against the
    embedding's rows.
-2. gguf-py parses; the keys are read with their types and ranges (geometry.py says why
-   each range), strings decoded strictly.
+2. The keys are read from the mapping at those places, with their types and ranges
+   (geometry.py says why each range), strings decoded strictly. (gguf-py's GGUFReader
+   read them until 2026-12-02: it builds a numpy view of every array element, ~10 s for a
+   202,048-token vocabulary; the tests hold this reading to gguf-py's.)
 3. Tensors: names, shapes and types against the contract; norm weights finite and
    |w| <= 1e4 (attn_k_norm: 65,504 / sqrt(head_dim), so f16 K cannot overflow).
 4. The weight scan (`check_weights=True`, the default): every F32/F16/BF16 matrix
@@ -43,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 
 from .errors import ArtifactError
@@ -62,13 +64,17 @@ _U32, _F32, _STR, _BOOL, _ARR = (GGUFValueType.UINT32, GGUFValueType.FLOAT32, GG
 class RawTensor:
     """One tensor as stored: its type, GGUF shape (`ne`, row length first) and raw bytes.
 
-    `data` is a read-only (rows, row_bytes) uint8 view into the memory-mapped file.
+    `data` is a read-only (rows, row_bytes) uint8 view into the memory-mapped file `path`, whose
+    bytes start at `offset` there (weight_stream.load_raw reads them from the file itself); a
+    tensor made in memory has neither.
     """
 
     name: str
     qtype: QT
     shape: tuple[int, ...]
     data: np.ndarray
+    path: Path | None = None
+    offset: int | None = None
 
     @property
     def rows(self) -> int:
@@ -104,10 +110,9 @@ class Vocabulary:
 class Artifact:
     """A validated muse-glimmer GGUF: geometry, raw tensors and vocabulary."""
 
-    def __init__(self, path: Path, reader: GGUFReader, geometry: Geometry,
-                 tensors: dict[str, RawTensor]):
+    def __init__(self, path: Path, keys: "_Keys", geometry: Geometry, tensors: dict[str, RawTensor]):
         self.path = path
-        self.reader = reader
+        self.keys = keys
         self.geometry = geometry
         self.tensors = tensors
 
@@ -119,7 +124,7 @@ class Artifact:
         DONTNEED): called once their bytes are copied out (Model) or checked (the weight scan),
         so the process does not hold the file's pages and the copies at once (the pages stay in
         the page cache; a later read maps them again)."""
-        release_mapped(self.reader, [t.data for t in tensors])
+        release_mapped(self.keys.file, [t.data for t in tensors])
 
     @property
     def file_bytes(self) -> int:
@@ -130,7 +135,7 @@ class Artifact:
 
     @cached_property
     def vocabulary(self) -> Vocabulary:
-        return _read_vocabulary(self.path, self.reader)
+        return _read_vocabulary(self.keys)
 
 
 def open_artifact(path: str | os.PathLike, *, check_weights: bool = True) -> Artifact:
@@ -157,30 +162,29 @@ def open_artifact(path: str | os.PathLike, *, check_weights: bool = True) -> Art
         raise ArtifactError(path, f"cannot read: {exc.strerror or exc}") from None
     _check_vocab_rows(path, scan)
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as exc:  # a backstop: the pre-scan should have refused anything gguf-py cannot read
-        raise ArtifactError(path, f"unreadable GGUF (truncated or corrupt): {type(exc).__name__}: "
-                            f"{_one_line(exc)}") from None
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(path, f"cannot map: {exc}") from None
 
-    keys = _Keys(path, reader)
+    keys = _Keys(path, file, scan)
     arch = keys.string("general.architecture")
     if arch != ARCH:
         raise ArtifactError(path, "general.architecture", repr(ARCH), repr(arch))
     geometry = _read_geometry(keys)
-    tensors = _read_tensors(path, reader, geometry, scan)
+    tensors = _read_tensors(path, file, geometry, scan)
     _check_vectors(path, tensors, geometry)
     if check_weights:
         check_matrix_weights(path, tensors, {t.name: scan.data_start + t.offset for t in scan.tensors},
-                             lambda t: release_mapped(reader, [t.data]))
-    return Artifact(path, reader, geometry, tensors)
+                             lambda t: release_mapped(file, [t.data]))
+    return Artifact(path, keys, geometry, tensors)
 
 
-def release_mapped(reader: GGUFReader, views) -> None:
-    """madvise(DONTNEED) over the whole pages inside each numpy view of the reader's file mapping."""
-    mm = getattr(reader.data, "_mmap", None)
+def release_mapped(file: np.memmap, views) -> None:
+    """madvise(DONTNEED) over the whole pages inside each numpy view of the file's mapping."""
+    mm = getattr(file, "_mmap", None)
     if mm is None or not hasattr(mm, "madvise"):
         return
-    base, page = reader.data.ctypes.data, mmap.PAGESIZE
+    base, page = file.ctypes.data, mmap.PAGESIZE
     for v in views:
         start = v.ctypes.data - base
         first, last = -(-start // page) * page, (start + v.nbytes) // page * page
@@ -204,15 +208,15 @@ def _check_vocab_rows(path: Path, scan: HeaderScan) -> None:
                             f"{[embd.ne[0], tokens[2]]}", f"{list(embd.ne)}")
 
 
-# ---- the bounded pre-scan ---------------------------------------------------------------
+# ---- the bounded header walk -------------------------------------------------------------
 #
-# gguf-py's GGUFReader trusts every count it reads: an array of 2^32-1 BOOLs or an array
-# whose element type is ARRAY makes it loop for minutes, and a tensor offset of 2^64-1
-# wraps to a view from before the data section. So before it walks the file, we walk the
-# header ourselves with every count, length and size checked against the bytes that are
-# left and against the limits below. This is a pre-scan, not a second parser: it reads
-# lengths, types and counts (and general.alignment, which places the data), skips over
-# values, and hands the file to gguf-py only once every step is known to stay inside it.
+# A reader that trusts the counts it reads (gguf-py's GGUFReader does) loops for minutes on an
+# array of 2^32-1 BOOLs or an array whose element type is ARRAY, and a tensor offset of 2^64-1
+# wraps to a view from before the data section. So the header is walked with every count,
+# length and size checked against the bytes that are left and against the limits below. The
+# walk reads lengths, types and counts (and general.alignment, which places the data), skips
+# over values and records where each starts; _Keys reads a value there only when it is asked
+# for, every step of it known to stay inside the file.
 # Then the tensor table: llama.cpp's own rule (ggml/src/gguf.cpp, gguf_init_from_file_impl)
 # is that tensor i starts where tensor i-1's bytes, padded to the alignment, end; that one
 # rule makes every offset aligned, inside the data section, non-overlapping, and every
@@ -258,7 +262,8 @@ class HeaderScan:
     """What the pre-scan learned: the layout gguf-py will then parse."""
 
     version: int
-    kv: dict[str, tuple[GGUFValueType, GGUFValueType | None, int]]  # key -> (type, element type, count)
+    kv: dict[str, tuple[GGUFValueType, GGUFValueType | None, int, int]]  # key -> (type, element type, count,
+    #                                                                      where its value's bytes start)
     tensors: list[ScannedTensor]
     alignment: int
     data_start: int
@@ -368,14 +373,14 @@ def _scan(path: Path, buf, size: int) -> HeaderScan:
         raise ArtifactError(path, f"truncated GGUF header: {n_kv:,} keys and {n_tensors:,} tensors "
                             f"cannot fit in the {size - c.pos:,} bytes left")
 
-    kv: dict[str, tuple[GGUFValueType, GGUFValueType | None, int]] = {}
+    kv: dict[str, tuple[GGUFValueType, GGUFValueType | None, int, int]] = {}
     alignment = DEFAULT_ALIGNMENT
     for i in range(n_kv):
         key = c.string(f"key {i}", MAX_KEY_BYTES, decode=True)
         if key in kv:
             raise ArtifactError(path, f"duplicate key {key!r}")
         vtype = _value_type(path, c.u32(f"key {key!r} type"), f"key {key!r} type")
-        sub, count = None, 1
+        sub, count, at = None, 1, c.pos
         if vtype == GGUFValueType.STRING:
             c.string(f"key {key!r} value", MAX_STRING_BYTES, decode=False)
         elif vtype == GGUFValueType.ARRAY:
@@ -383,6 +388,7 @@ def _scan(path: Path, buf, size: int) -> HeaderScan:
             if sub == GGUFValueType.ARRAY:
                 raise ArtifactError(path, f"key {key!r}", "an array of scalars or strings", "an array of arrays")
             count = c.u64(f"key {key!r} element count")
+            at = c.pos
             limit = MAX_VOCAB if key in VOCAB_KEYS else MAX_ARRAY
             if count > limit:
                 raise ArtifactError(path, f"key {key!r}", f"at most {limit:,} elements", f"{count:,}")
@@ -402,7 +408,7 @@ def _scan(path: Path, buf, size: int) -> HeaderScan:
                 c.pos += _SCALAR_BYTES[vtype]
         if key == "general.alignment" and vtype != GGUFValueType.UINT32:
             raise ArtifactError(path, "key 'general.alignment'", "type UINT32", f"type {vtype.name}")
-        kv[key] = (vtype, sub, count)
+        kv[key] = (vtype, sub, count, at)
 
     table = []
     for i in range(n_tensors):
@@ -461,17 +467,69 @@ def _scan(path: Path, buf, size: int) -> HeaderScan:
 # ---- metadata ------------------------------------------------------------------------
 
 
+_NUMPY_SCALARS = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+                  GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+                  GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "<u1", GGUFValueType.UINT64: "<u8",
+                  GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One key's value, read from the mapped file where the pre-scan found it (every length in it
+    already bounded by the scan). types: [type] or [ARRAY, element type]; count: its elements."""
+
+    file: np.ndarray
+    types: list[GGUFValueType]
+    count: int
+    at: int
+
+    def _scalars(self, vtype: GGUFValueType, n: int) -> np.ndarray:
+        values = np.frombuffer(self.file, _NUMPY_SCALARS[vtype], n, self.at)
+        return values.astype(bool) if vtype == _BOOL else values
+
+    @property
+    def raw(self) -> bytes:
+        """A STRING's bytes."""
+        n = int(np.frombuffer(self.file, "<u8", 1, self.at)[0])
+        return self.file[self.at + 8:self.at + 8 + n].tobytes()
+
+    def strings(self) -> list[bytes]:
+        """An ARRAY of STRING's elements' bytes."""
+        out, pos, unpack, buf = [], 0, _U64_LE.unpack_from, memoryview(self.file)[self.at:]
+        for _ in range(self.count):
+            (n,) = unpack(buf, pos)
+            out.append(bytes(buf[pos + 8:pos + 8 + n]))
+            pos += 8 + n
+        return out
+
+    def contents(self):
+        """The value as Python: a number or bool, a str, or a list of them."""
+        if self.types[0] == _ARR:
+            if self.types[1] == _STR:
+                return [b.decode("utf-8", errors="replace") for b in self.strings()]
+            return self._scalars(self.types[1], self.count).tolist()
+        if self.types[0] == _STR:
+            return self.raw.decode("utf-8", errors="replace")
+        return self._scalars(self.types[0], 1)[0].item()
+
+
 class _Keys:
-    """Typed access to GGUF metadata; every failure names the key."""
+    """Typed access to GGUF metadata, read from the mapped file at the places the bounded pre-scan
+    found (gguf-py's reader builds numpy views of every element of every array, ~10 s for a
+    202,048-token vocabulary; tests/test_artifact.py holds this reading to gguf-py's on every
+    key of every fixture). Every failure names the key."""
 
-    def __init__(self, path: Path, reader: GGUFReader):
-        self.path, self.reader = path, reader
+    def __init__(self, path: Path, file: np.ndarray, scan: HeaderScan):
+        self.path, self.file, self.scan = path, file, scan
 
-    def field(self, key: str, required: bool):
-        f = self.reader.get_field(key)
-        if f is None and required:
-            raise ArtifactError(self.path, f"missing required key {key!r}")
-        return f
+    def field(self, key: str, required: bool) -> _Field | None:
+        entry = self.scan.kv.get(key)
+        if entry is None:
+            if required:
+                raise ArtifactError(self.path, f"missing required key {key!r}")
+            return None
+        vtype, sub, count, at = entry
+        return _Field(self.file, [vtype] if sub is None else [vtype, sub], count, at)
 
     def _type_name(self, f) -> str:
         return "/".join(t.name for t in f.types) if f.types else "?"
@@ -491,7 +549,7 @@ class _Keys:
             return None
         if f.types != [_STR]:
             raise ArtifactError(self.path, f"key {key!r}", f"type {_STR.name}", f"type {self._type_name(f)}")
-        return decode_utf8(self.path, bytes(f.parts[-1]), f"key {key!r}")
+        return decode_utf8(self.path, f.raw, f"key {key!r}")
 
     def u32(self, key: str, required: bool = True, default=None):
         return self.scalar(key, _U32, required, default)
@@ -568,8 +626,9 @@ def _read_geometry(keys: _Keys) -> Geometry:
                             f"an even value in 2..{head_dim}", str(rope_dim))
 
     window = keys.u32(k("attention.sliding_window"))
-    if window == 0:
-        raise ArtifactError(path, f"key {k('attention.sliding_window')!r}", "a positive window", "0")
+    if not 0 < window < 2**31:   # positions and their distances are int32 on the device
+        raise ArtifactError(path, f"key {k('attention.sliding_window')!r}", "a window in 1..2,147,483,647",
+                            f"{window:,}")
     context = keys.u32(k("context_length"))
     if context == 0:
         raise ArtifactError(path, f"key {k('context_length')!r}", "a positive context length", "0")
@@ -596,7 +655,7 @@ def _read_geometry(keys: _Keys) -> Geometry:
     if tokens.types != [_ARR, _STR]:
         raise ArtifactError(path, "key 'tokenizer.ggml.tokens'", "type ARRAY/STRING",
                             f"type {keys._type_name(tokens)}")
-    n_vocab = len(tokens.data)
+    n_vocab = tokens.count
     if n_vocab == 0:
         raise ArtifactError(path, "key 'tokenizer.ggml.tokens'", "a non-empty vocabulary", "0 tokens")
 
@@ -630,10 +689,10 @@ def _read_swa_pattern(keys: _Keys, key: str, n_layer: int) -> tuple[bool, ...]:
 # ---- tensors -------------------------------------------------------------------------
 
 
-def _read_tensors(path: Path, reader: GGUFReader, g: Geometry, scan: HeaderScan) -> dict[str, RawTensor]:
+def _read_tensors(path: Path, file: np.ndarray, g: Geometry, scan: HeaderScan) -> dict[str, RawTensor]:
+    """The contract's tensors as views of the mapped file, where the pre-scan placed them."""
     expected = g.tensor_shapes()
-    found = {t.name: t for t in reader.tensors}
-    scanned = {t.name: t for t in scan.tensors}
+    found = {t.name: t for t in scan.tensors}
     unknown = sorted(set(found) - set(expected))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -643,22 +702,17 @@ def _read_tensors(path: Path, reader: GGUFReader, g: Geometry, scan: HeaderScan)
         t = found.get(name)
         if t is None:
             raise ArtifactError(path, f"missing tensor {name!r}", f"shape {list(shape)}")
-        got = tuple(int(x) for x in t.shape)
-        if got != shape:
-            raise ArtifactError(path, f"tensor {name!r} shape", f"{list(shape)}", f"{list(got)}")
+        if t.ne != shape:
+            raise ArtifactError(path, f"tensor {name!r} shape", f"{list(shape)}", f"{list(t.ne)}")
         allowed = VECTOR_TYPES if len(shape) == 1 else MATRIX_TYPES
-        if t.tensor_type not in allowed:
+        if t.qtype not in allowed:
             raise ArtifactError(path, f"tensor {name!r} type", "one of " + ", ".join(a.name for a in allowed),
-                                t.tensor_type.name)
-        s = scanned[name]
-        # gguf-py parsed what the pre-scan bounded; the two must agree on where the bytes are.
-        if (t.data_offset, t.n_bytes, t.tensor_type) != (scan.data_start + s.offset, s.nbytes, s.qtype):
-            raise ArtifactError(path, f"tensor {name!r} layout", f"{s.nbytes} bytes at {scan.data_start + s.offset}",
-                                f"{t.n_bytes} bytes at {t.data_offset} (gguf-py)")
-        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+                                t.qtype.name)
+        block, type_size = GGML_QUANT_SIZES[t.qtype]
         row_bytes = shape[0] // block * type_size
-        data = np.asarray(t.data).view(np.uint8).reshape(s.nbytes // row_bytes, row_bytes)
-        tensors[name] = RawTensor(name, t.tensor_type, shape, data)
+        first = scan.data_start + t.offset
+        data = file[first:first + t.nbytes].reshape(t.nbytes // row_bytes, row_bytes)
+        tensors[name] = RawTensor(name, t.qtype, shape, data, path, first)
     return tensors
 
 
@@ -778,8 +832,8 @@ def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dic
 # ---- vocabulary ----------------------------------------------------------------------
 
 
-def _read_vocabulary(path: Path, reader: GGUFReader) -> Vocabulary:
-    keys = _Keys(path, reader)
+def _read_vocabulary(keys: _Keys) -> Vocabulary:
+    path = keys.path
     model = keys.string("tokenizer.ggml.model")
     pre = keys.string("tokenizer.ggml.pre", required=False)
     tok_field = keys.field("tokenizer.ggml.tokens", required=True)
@@ -837,12 +891,10 @@ def decode_utf8(path: Path, raw: bytes, what: str) -> str:
                             f"invalid byte {raw[exc.start]:#04x} at byte {exc.start}") from None
 
 
-def _decode_strings(path: Path, field, key: str) -> list[str]:
+def _decode_strings(path: Path, field: _Field, key: str) -> list[str]:
     """An ARRAY/STRING field's elements, strictly decoded; an invalid one is named by its index."""
-    parts = field.parts
     out = []
-    for n, i in enumerate(field.data):
-        raw = parts[i].tobytes()
+    for n, raw in enumerate(field.strings()):
         try:
             out.append(raw.decode("utf-8"))
         except UnicodeDecodeError:

@@ -35,6 +35,7 @@ from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
 from .kv import KV_DTYPE, SlotCache
 from .ops import ReferenceOps, Slice, select_ops
 from .quant import dequantize
+from .weight_stream import load_raw
 
 
 class Projections(nn.Module):
@@ -61,7 +62,7 @@ class Projections(nn.Module):
 
 
 def _vector(raw: RawTensor) -> mx.array:
-    return dequantize(mx.array(np.ascontiguousarray(raw.data)), raw.qtype).reshape(-1)
+    return dequantize(load_raw([raw])[0], raw.qtype).reshape(-1)
 
 
 class Embedding(nn.Module):
@@ -70,7 +71,7 @@ class Embedding(nn.Module):
     def __init__(self, raw: RawTensor):
         super().__init__()
         self.qtype = raw.qtype
-        self.rows = mx.array(np.ascontiguousarray(raw.data))  # (n_vocab, row_bytes)
+        self.rows = load_raw([raw])[0]  # (n_vocab, row_bytes)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return dequantize(self.rows[tokens], self.qtype)

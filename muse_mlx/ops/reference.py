@@ -17,6 +17,7 @@ from ..artifact import RawTensor
 from ..geometry import Geometry
 from ..kv import SlotCache
 from ..quant import dequantize
+from ..weight_stream import load_raw
 
 # Bound on one attention score block (heads x queries x keys x 4 bytes), so a 512-token chunk
 # at depth 131,072 does not need 8.6 GB at once.
@@ -46,7 +47,7 @@ class Matrix(nn.Module):
 
 def stack_raw(raws: list[RawTensor]) -> mx.array:
     """The raw rows of several matrices of one type and row length, one after another."""
-    arrays = [mx.array(np.ascontiguousarray(r.data)) for r in raws]
+    arrays = load_raw(raws)
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
 
 
