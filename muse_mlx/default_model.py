@@ -7,6 +7,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from .errors import MuseError
+
 DEFAULT_MODEL = "data/muse-glimmer-tiny-q8_0.gguf"
 # Its held-out pages (never trained on; tools/corpus.py), for perplexity checks.
 HELD_OUT_TEXT = "data/tiny-heldout.txt"
@@ -15,7 +17,7 @@ HELD_OUT_TEXT = "data/tiny-heldout.txt"
 def _packaged(name: str) -> Path:
     path = Path(str(resources.files("muse_mlx").joinpath(name)))
     if not path.is_file():
-        raise FileNotFoundError(f"the package has no {name}: reinstall muse-mlx")
+        raise MuseError(f"the package has no {name} (an install without its data files): reinstall muse-mlx")
     return path
 
 

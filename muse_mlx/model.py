@@ -68,10 +68,10 @@ def _vector(raw: RawTensor) -> mx.array:
 class Embedding(nn.Module):
     """Token rows gathered from the raw table and dequantized on the fly (only the rows used)."""
 
-    def __init__(self, raw: RawTensor):
+    def __init__(self, raw: RawTensor, piece_bytes: int | None = None):
         super().__init__()
         self.qtype = raw.qtype
-        self.rows = load_raw([raw])[0]  # (n_vocab, row_bytes)
+        self.rows = load_raw([raw], piece_bytes)[0]  # (n_vocab, row_bytes)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return dequantize(self.rows[tokens], self.qtype)
@@ -166,7 +166,7 @@ class Model(nn.Module):
         self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
-        self.embed = Embedding(t["token_embd.weight"])
+        self.embed = Embedding(t["token_embd.weight"], ops.raw_piece_bytes)
         artifact.release([t["token_embd.weight"]])   # its bytes are copied: the mapping need not hold them
         self.blocks = []
         for il in range(g.n_layer):

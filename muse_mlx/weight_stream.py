@@ -6,8 +6,10 @@ GPU's first read migrates again. `mx.load` instead reads a tensor into a host bu
 it to device memory (`Load::eval_gpu`), and it takes any file-like object. So a set of raw
 tensors is presented to it as a safetensors stream: a header naming each as a U8
 (rows, row_bytes) tensor, then their bytes, served from the GGUF file at their offsets
-(`os.preadv`, one read per tensor). Nothing is copied until the arrays are evaluated, and then
-once. On the CPU and Metal backends it is one copy from the file, as `mx.array` was.
+(`os.preadv`). MLX reads a stream it is given as a Python object when mx.load is called. On the
+CPU and Metal backends it is one copy from the file, as `mx.array` was; on CUDA the bytes pass
+through a host buffer MLX allocates per tensor, so there the tensors are read in row ranges
+(`piece_bytes`, the ops backend's `raw_piece_bytes`) and put together on the device.
 """
 
 from __future__ import annotations
@@ -84,18 +86,32 @@ class TensorStream(io.RawIOBase):
         super().close()
 
 
-def load_raw(raws: list[RawTensor]) -> list[mx.array]:
-    """Each raw tensor's (rows, row_bytes) uint8 bytes as an MLX array (lazy: read when evaluated).
-    Tensors mapped from a file go through mx.load of a TensorStream over it; others are copied."""
+def _pieces(r: RawTensor, piece_bytes: int | None) -> list[RawTensor]:
+    """`r` as row ranges of at most piece_bytes each (at least one row), or whole (None)."""
+    row_bytes = r.data.shape[1]
+    rows = r.data.shape[0] if piece_bytes is None else max(1, piece_bytes // row_bytes)
+    return [RawTensor(r.name, r.qtype, r.shape, r.data[i:i + rows], r.path, r.offset + i * row_bytes)
+            for i in range(0, r.data.shape[0], rows)]
+
+
+def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.array]:
+    """Each raw tensor's (rows, row_bytes) uint8 bytes as an MLX array. Tensors mapped from a file go
+    through mx.load of a TensorStream over it; others are copied. piece_bytes: read each tensor in
+    row ranges of at most this many bytes, put together on the device (CUDA: MLX stages a load
+    in a host buffer it allocates, and glibc maps a buffer over 32 MiB fresh each time; the H200's
+    host read 16 MiB pieces at 3.2-3.6 GB/s against 1.1-1.2 GB/s whole, docs/ledger.md 2026-12-02)."""
     out: list[mx.array | None] = [None] * len(raws)
-    by_file: dict[Path, list[int]] = {}
+    by_file: dict[Path, list[tuple[int, RawTensor]]] = {}
     for i, r in enumerate(raws):
         if r.path is not None and r.offset is not None:
-            by_file.setdefault(r.path, []).append(i)
+            by_file.setdefault(r.path, []).extend((i, piece) for piece in _pieces(r, piece_bytes))
         else:
             out[i] = mx.array(np.ascontiguousarray(r.data))
-    for path, idx in by_file.items():
-        loaded = mx.load(TensorStream(path, [raws[i] for i in idx]), format="safetensors")
-        for j, i in enumerate(idx):
-            out[i] = loaded[str(j)]
+    for path, pieces in by_file.items():
+        loaded = mx.load(TensorStream(path, [piece for _, piece in pieces]), format="safetensors")
+        parts: dict[int, list[mx.array]] = {}
+        for j, (i, _) in enumerate(pieces):
+            parts.setdefault(i, []).append(loaded[str(j)])
+        for i, arrays in parts.items():
+            out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
     return out

@@ -256,3 +256,13 @@ def test_progress_bars_on_a_terminal(f32_fixture):
     assert p.wait(timeout=300) == 0
     os.close(master)
     assert b"layer" in seen and b"tok" in seen and b"%|" in seen, seen[-400:]
+
+
+def test_a_missing_default_model_is_one_line(monkeypatch, capsys):
+    """An install without the shipped GGUF: one line naming it, exit 2, no traceback."""
+    from muse_mlx import default_model, generate
+
+    monkeypatch.setattr(default_model, "DEFAULT_MODEL", "data/no-such-model.gguf")
+    assert generate.main(["--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model.gguf" in err and "reinstall" in err and "Traceback" not in err and err.count("\n") == 1

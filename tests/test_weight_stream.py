@@ -55,3 +55,27 @@ def test_load_raw_gives_each_tensor_as_stored(artifact):
     mx.eval(arrays)
     for r, a in zip(raws + [made], arrays):
         assert a.dtype == mx.uint8 and np.array_equal(np.array(a), r.data), r.name
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 1000, 4096, 10**9])
+def test_tensors_read_in_pieces_are_put_together_exactly(artifact, piece_bytes):
+    """Row ranges of at most piece_bytes (one row when a row is longer), concatenated: the same
+    bytes, for pieces smaller than a row, not dividing the rows, and larger than the tensor."""
+    raws = [t for n, t in artifact.tensors.items() if n.startswith("blk.0.") or n == "token_embd.weight"]
+    arrays = load_raw(raws, piece_bytes)
+    mx.eval(arrays)
+    for r, a in zip(raws, arrays):
+        assert a.shape == r.data.shape and np.array_equal(np.array(a), r.data), r.name
+
+
+def test_the_gpu_ops_read_in_pieces_only_on_cuda():
+    from muse_mlx.config import KernelConfig
+    from muse_mlx.kernels import Kernels
+    from muse_mlx.kernels.device import Device
+    from muse_mlx.ops.gpu import GpuOps
+    from muse_mlx.ops.reference import ReferenceOps
+
+    assert ReferenceOps().raw_piece_bytes is None
+    for backend, want in (("cuda", 16 * 2**20), ("metal", None)):
+        dev = Device(backend=backend, cores=8)
+        assert GpuOps(Kernels(dev, KernelConfig())).raw_piece_bytes == want

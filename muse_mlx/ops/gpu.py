@@ -165,6 +165,11 @@ class GpuOps(ReferenceOps):
     def backend(self) -> str:
         return self.kernels.device.backend
 
+    @property
+    def raw_piece_bytes(self) -> int | None:
+        """CUDA: raw tensors loaded in 16 MiB row ranges (weight_stream.load_raw says why)."""
+        return 16 * 2**20 if self.backend == "cuda" else None
+
     def _eps_array(self, *values: float) -> mx.array:
         if values not in self._eps:
             self._eps[values] = mx.array(values, dtype=mx.float32)
@@ -174,7 +179,7 @@ class GpuOps(ReferenceOps):
         qtype = raws[0].qtype
         if not kplan.supports(qtype):
             return super().matrix(raws)
-        return Matrix(stack_raw(raws), qtype, True, raws[0].shape[0], sum(r.shape[1] for r in raws))
+        return Matrix(stack_raw(raws, self.raw_piece_bytes), qtype, True, raws[0].shape[0], sum(r.shape[1] for r in raws))
 
     def project(self, w: Matrix, x: mx.array) -> mx.array:
         if not w.raw:

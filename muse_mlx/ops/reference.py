@@ -45,9 +45,9 @@ class Matrix(nn.Module):
         self.data, self.qtype, self.raw, self.n_in, self.n_out = data, qtype, raw, n_in, n_out
 
 
-def stack_raw(raws: list[RawTensor]) -> mx.array:
+def stack_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> mx.array:
     """The raw rows of several matrices of one type and row length, one after another."""
-    arrays = load_raw(raws)
+    arrays = load_raw(raws, piece_bytes)
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
 
 
@@ -145,11 +145,13 @@ class ChunkStep:
 
 class ReferenceOps:
     name = "reference"
+    raw_piece_bytes: int | None = None   # weight_stream.load_raw's piece size (None: whole tensors)
 
     def matrix(self, raws: list[RawTensor]) -> Matrix:
         """Load one matrix, or several of one type and row length stacked by rows."""
         qtype = raws[0].qtype
-        return Matrix(dequantize(stack_raw(raws), qtype), qtype, False, raws[0].shape[0], sum(r.shape[1] for r in raws))
+        return Matrix(dequantize(stack_raw(raws, self.raw_piece_bytes), qtype), qtype, False, raws[0].shape[0],
+                      sum(r.shape[1] for r in raws))
 
     def project(self, w: Matrix, x: mx.array) -> mx.array:
         """x (rows, in) -> x W^T (rows, out), float32."""
