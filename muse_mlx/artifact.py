@@ -39,6 +39,7 @@ import errno
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -759,7 +760,8 @@ _F16_SCALES = {QT.Q8_0: (0, 1), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,
 # F16 (its largest finite value is 65,504), |w| >= 2^16 = 65,536 (and inf/NaN) for F32 and BF16.
 _NONFINITE_MASK = {QT.F32: (np.uint32, 0x7F800000, 0x47800000), QT.F16: (np.uint16, 0x7C00, 0x7C00),
                    QT.BF16: (np.uint16, 0x7F80, 0x4780)}
-_SCAN_CHUNK_BYTES = 64 << 20  # bound the temporaries: one 64 MiB slice of a tensor at a time
+_SCAN_CHUNK_BYTES = 64 << 20  # bound the temporaries: one 64 MiB slice of a tensor at a time (a thread)
+SCAN_THREADS = min(8, os.cpu_count() or 1)
 
 
 def _is_hole(fd: int, start: int, length: int) -> bool:
@@ -805,19 +807,26 @@ def _first_nonfinite(t: RawTensor) -> tuple[int, int, float] | None:
 def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dict[str, int], done=None) -> None:
     """Refuse a matrix with a NaN/Inf (or, F32/BF16, |w| >= 65,536) element or a NaN/Inf block scale.
 
-    Vectorized, one tensor (and at most 64 MiB of it) at a time; a tensor lying wholly in
-    a hole of a sparse file is skipped (holes read as zeros).
+    Vectorized, at most 64 MiB of a tensor at a time, tensors on up to SCAN_THREADS threads (numpy
+    releases the GIL; most of the time is the mapping's page faults, which run in parallel); the
+    first bad tensor in `tensors`' order is the one named. A tensor lying wholly in a hole of a
+    sparse file is skipped (holes read as zeros).
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        for name, t in tensors.items():
-            if len(t.shape) != 2:
-                continue
-            if _is_hole(fd, offsets[name], t.nbytes):
-                continue
-            found = _first_nonfinite(t)
-            if done is not None:
-                done(t)
+        matrices = [(name, t) for name, t in tensors.items()
+                    if len(t.shape) == 2 and not _is_hole(fd, offsets[name], t.nbytes)]
+    finally:
+        os.close(fd)
+
+    def scan(item):
+        found = _first_nonfinite(item[1])
+        if done is not None:
+            done(item[1])
+        return found
+
+    with ThreadPoolExecutor(max_workers=max(1, min(SCAN_THREADS, len(matrices)))) as pool:
+        for (name, t), found in zip(matrices, pool.map(scan, matrices)):
             if found is not None:
                 row, col, value = found
                 if t.qtype in _NONFINITE_MASK:
@@ -825,8 +834,6 @@ def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dic
                                         "finite weights of magnitude below 65,536", repr(value))
                 raise ArtifactError(path, f"tensor {name!r} row {row} block scale at element {col}",
                                     "a finite scale", repr(value))
-    finally:
-        os.close(fd)
 
 
 # ---- vocabulary ----------------------------------------------------------------------

@@ -309,6 +309,22 @@ def test_non_finite_matrix_weights(fixtures, tmp_path, fixture, tensor, value):
     assert "block scale" in msg if fixture.startswith("q") else "element" in msg
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_first_bad_matrix_in_the_file_is_named(fixtures, tmp_path, monkeypatch, threads):
+    """The scan runs on threads; with several bad matrices, the one named is the first in the
+    contract's tensor order (the order of open_artifact's tensors), whatever order the threads
+    finish in."""
+    import muse_mlx.artifact as artifact
+
+    monkeypatch.setattr(artifact, "SCAN_THREADS", threads)
+    bad = ("blk.3.ffn_down.weight", "output.weight", "blk.1.attn_q.weight")
+    first = next(n for n in open_artifact(fixtures["q4_k"]).tensors if n in bad)
+    data = fixtures["q4_k"].read_bytes()
+    for tensor in bad:
+        data = set_tensor_values(data, tensor, 7, float("nan"))
+    refused(tmp_path, data, f"'{first}' row")
+
+
 def test_large_finite_f16_weight_loads(fixtures, tmp_path):
     data = set_tensor_values(fixtures["f16"].read_bytes(), "blk.0.ffn_up.weight", 7, 65504.0)
     p = tmp_path / "big.gguf"
