@@ -7,8 +7,9 @@ One thread owns the model and every MLX call (`Scheduler.run`). Each loop:
 2. feeds each prefilling slot one chunk (ending at a multiple of the prefill chunk), so the
    slots already decoding keep producing while a long prompt is read;
 3. takes one decode step for every decoding slot at once: the next token of each from its
-   logits (its own sampler, seed and stop state), then one forward over the B tokens
-   (Model.__call__ with B caches: each weight read once for all of them).
+   logits (its own sampler, seed and stop state), fed back by one forward over the B tokens
+   (Model.__call__ with B caches: each weight read once for all of them), built from the lazy
+   tokens and submitted before they are read (pipelined, as the CLI's decode loop).
 
 Requests hear back through `emit` (called from this thread; the HTTP side makes it thread-safe):
 `{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
@@ -91,6 +92,9 @@ class Slot:
         self.state = "idle"
         self.pending: list[int] = []
         self.logits: mx.array | None = None   # the next token's, while decoding
+        self.next: tuple | None = None        # that token, lazily (Scheduler._picks)
+        self.fed = False                      # that token is already fed back by the step in flight
+        self.following: tuple | None = None   # the token after it, from that step (lazy)
         self.generated = 0
         self.sampler: Sampler | None = None
         self.streamer = None
@@ -247,22 +251,41 @@ class Scheduler:
             if slot.request.max_tokens == 0:
                 self._finish(slot, "length")
 
+    @staticmethod
+    def _picks(slot: Slot) -> tuple:
+        """The next token of `slot` from its logits, lazily: (token, all finite, log-probs or None)."""
+        token = slot.sampler.token(slot.logits)
+        finite = mx.all(mx.isfinite(slot.logits))
+        lp = slot.logits - mx.logsumexp(slot.logits, keepdims=True) if slot.request.logprobs is not None else None
+        return token, finite, lp
+
     def _decode(self, slots: list[Slot]) -> None:
-        picks = []
+        """One decode step, pipelined as the CLI's (generate.decode_tokens): the forward that feeds
+        each slot's next token back is built from that token's lazy value and submitted before any
+        token is read, so the host's reading, detokenizing and emitting overlap the GPU's step. A
+        slot that then stops (a stop token or string, a non-finite row) was fed its last token all
+        the same: its cache, and `tokens` with it, holds that token."""
         for slot in slots:
-            token = slot.sampler.token(slot.logits)
-            finite = mx.all(mx.isfinite(slot.logits))
-            lp = None
-            if slot.request.logprobs is not None:
-                lp = slot.logits - mx.logsumexp(slot.logits, keepdims=True)
-            picks.append((token, finite, lp))
-        mx.eval([x for p in picks for x in p if x is not None])
-        feed = []
-        for slot, (token, finite, lp) in zip(slots, picks):
-            if not bool(finite.item()):
-                self._finish(slot, error=str(NonFiniteError(slot.cache.offset - 1)))
-                continue
+            if slot.next is None:   # its logits came from a prefill or a restore
+                slot.next = self._picks(slot)
+        ahead = [s for s in slots if s.cache.room > 0 and s.generated + 1 < s.request.max_tokens]
+        if ahead:
+            tokens = mx.concatenate([s.next[0].reshape(1, 1).astype(mx.int32) for s in ahead])
+            logits = self.model(tokens, [s.cache for s in ahead])
+            for b, slot in enumerate(ahead):
+                slot.fed, slot.logits = True, logits[b, 0]
+                slot.following = self._picks(slot)
+            mx.async_eval([x for s in ahead for x in s.following if x is not None])
+        for slot in slots:
+            token, finite, lp = slot.next
+            fed, slot.fed = slot.fed, False
+            slot.next, slot.following = slot.following, None
             t = int(token.item())
+            if fed:
+                slot.tokens.append(t)
+            if not bool(finite.item()):
+                self._finish(slot, error=str(NonFiniteError(slot.cache.offset - 1 - fed)))
+                continue
             if t in self.tokenizer.stop_ids:
                 self._finish(slot, "stop")
                 continue
@@ -280,16 +303,8 @@ class Scheduler:
             slot.request.emit(event)
             if stopped:
                 self._finish(slot, "stop", flush=False)
-            elif slot.generated >= slot.request.max_tokens or slot.cache.room == 0:
+            elif not fed:   # max_tokens reached, or the context full
                 self._finish(slot, "length")
-            else:
-                feed.append((slot, t))
-        if feed:
-            tokens = mx.array([[t] for _, t in feed])
-            logits = self.model(tokens, [s.cache for s, _ in feed])
-            for b, (slot, t) in enumerate(feed):
-                slot.tokens.append(t)
-                slot.logits = logits[b, 0]
 
     def _finish(self, slot: Slot, reason: str | None = None, error: str | None = None, flush: bool = True) -> None:
         request = slot.request
@@ -309,6 +324,7 @@ class Scheduler:
 
     def _release(self, slot: Slot) -> None:
         slot.request, slot.state, slot.pending, slot.logits = None, "idle", [], None
+        slot.next, slot.fed, slot.following = None, False, None
         slot.sampler = slot.streamer = slot.stop = None
 
     # ---- slot save / restore (llama-server's /slots/{id}?action=...) ----

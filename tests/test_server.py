@@ -352,3 +352,58 @@ def test_automatic_prompt_reuse_equals_the_solo_runs(f32_fixture, solo, tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_pipelined_step_keeps_each_slot_s_tokens_equal_to_its_cache(f32_fixture, solo):
+    """The scheduler in-process: the decode step feeds each token back before reading it, so a slot
+    that stops (stop string, max_tokens, a stop reached mid-step) has its cache and `tokens` agree
+    (every token fed back, the last one included when the step in flight fed it), its prompt
+    first, then exactly what it emitted; and each stream equals its solo run."""
+    from muse_mlx.slots import Request, Scheduler
+
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    sched = Scheduler(model, tok, 3, CTX)
+    sched.thread.start()
+    jobs = [(prompt_ids(11, 40), 9, []), (prompt_ids(23, 41), 1, []), (prompt_ids(7, 42), 14, []),
+            (prompt_ids(15, 43), 12, None)]   # None: a stop string from the middle of its solo text
+    done, requests = [], []
+    try:
+        for ids, n, stops in jobs:
+            if stops is None:
+                stops = [solo(ids, n)[5:8]]
+            events: list[dict] = []
+            finished = threading.Event()
+
+            def emit(e, events=events, finished=finished):
+                events.append(e)
+                if "finish_reason" in e or "error" in e:
+                    finished.set()
+            request = Request(list(ids), n, SamplerSettings(), emit, stop_strings=stops)
+            sched.submit(request)
+            requests.append(request)
+            done.append((ids, n, stops, events, finished))
+        for ids, n, stops, events, finished in done:
+            assert finished.wait(120)
+            assert not any("error" in e for e in events)
+            text = "".join(e.get("text", "") for e in events)
+            want = solo(ids, n)
+            assert text == (want[:want.index(stops[0])] if stops else want)
+        slots = sched.control(lambda: [(list(s.tokens), s.cache.offset, s.state) for s in sched.slots])
+        for tokens, offset, state in slots:
+            assert state == "idle" and len(tokens) == offset
+        held = {tuple(t[:len(ids)]): t[len(ids):] for t, _, _ in slots for ids, *_ in jobs if t[:len(ids)] == list(ids)}
+        for (ids, n, stops, events, _), req in zip(done, requests):
+            emitted = [e["token"] for e in events if "token" in e]
+            if tuple(ids) not in held:   # its slot has taken another request since
+                continue
+            rest, reason = held[tuple(ids)], events[-1]["finish_reason"]
+            if reason == "length":   # max_tokens: the last token was never fed back
+                assert rest == emitted[:-1]
+            elif stops:              # a stop string: the token completing it was fed back
+                assert rest == emitted
+            else:                    # a stop token, fed back by the step in flight, not emitted
+                assert rest[:-1] == emitted and rest[-1] in tok.stop_ids
+    finally:
+        sched.stop()
+        sched.thread.join(30)
