@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .artifact import RawTensor
+from .errors import ArtifactError
 
 
 class TensorStream(io.RawIOBase):
@@ -108,7 +109,14 @@ def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.a
         else:
             out[i] = mx.array(np.ascontiguousarray(r.data))
     for path, pieces in by_file.items():
-        loaded = mx.load(TensorStream(path, [piece for _, piece in pieces]), format="safetensors")
+        stream = TensorStream(path, [piece for _, piece in pieces])
+        try:
+            loaded = mx.load(stream, format="safetensors")
+        except (RuntimeError, ValueError, OSError) as exc:   # the file cut or changed since it was opened
+            raise ArtifactError(path, f"cannot read its tensors any more (changed since it was opened?): "
+                                f"{' '.join(str(exc).split())[:200]}") from None
+        finally:
+            stream.close()
         parts: dict[int, list[mx.array]] = {}
         for j, (i, _) in enumerate(pieces):
             parts.setdefault(i, []).append(loaded[str(j)])

@@ -79,3 +79,19 @@ def test_the_gpu_ops_read_in_pieces_only_on_cuda():
     for backend, want in (("cuda", 16 * 2**20), ("metal", None)):
         dev = Device(backend=backend, cores=8)
         assert GpuOps(Kernels(dev, KernelConfig())).raw_piece_bytes == want
+
+
+def test_a_file_cut_after_it_was_opened_is_one_clear_error(tmp_path):
+    """The tensors are read from the file when loaded: a file truncated since open_artifact checked
+    it gives one ArtifactError naming it, not MLX's exception."""
+    from muse_mlx.errors import ArtifactError
+    from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
+
+    path = write_random_blocks(tmp_path / "cut.gguf", DEFAULT_GEOMETRY, kquant_mix(DEFAULT_GEOMETRY), seed=4)
+    a = open_artifact(path)
+    raws = [a.tensors["output.weight"]]
+    with open(path, "r+b") as f:
+        f.truncate(raws[0].offset + raws[0].nbytes // 2)
+    with pytest.raises(ArtifactError, match="cannot read its tensors any more") as exc:
+        load_raw(raws)
+    assert "\n" not in str(exc.value) and str(path) in str(exc.value)
