@@ -527,7 +527,22 @@ def test_bench_combine_still_works(tmp_path, capsys):
     (["--matvec-rows", "2", "--matvec-configs", "stream_batch_rf=2"], "needs a tag"),
     (["--matvec-rows", "2", "--matvec-configs", "a:stream_batch_rf=3"], "stream_batch_rf must be 0, 1, 2 or 4"),
     (["--matvec-rows", "2", "--reference"], "the MLX-ops backend (--reference) has none"),
+    (["--scheduler", "5"], "--scheduler values must be 1..4"),
+    (["--scheduler", "2", "--sched-tokens", "0"], "--sched-tokens >= 1"),
 ])
 def test_bench_serving_matvec_flags(argv, says, capsys):
     line = refused(bench_serving.main, ["--model", "/nonexistent/model.gguf", *argv], capsys)
     assert says in line, line
+
+
+def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, capsys):
+    """The engine-loop cell end to end on the reference backend (a smoke run: the numbers mean
+    nothing on the CPU): every request gets its first token and its tokens, the receipt holds them."""
+    out = tmp_path / "sched.json"
+    assert bench_serving.main(["--model", str(f32_fixture), "--reference", "--warm", "", "--batch", "",
+                               "--scheduler", "2", "--sched-prompt", "9", "--sched-tokens", "5",
+                               "--receipt", str(out)]) == 0
+    cell = json.loads(out.read_text())["metrics"]["scheduler"][0]
+    assert cell["slots"] == 2 and len(cell["runs"]) == 2
+    for run in cell["runs"]:
+        assert all(t is not None and t > 0 for t in run["ttft_s"]) and all(1 <= g <= 5 for g in run["generated"])

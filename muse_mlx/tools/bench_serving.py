@@ -14,6 +14,11 @@ step over 1..4 slots (issue 16), with a receipt.
 - matvec rows: one step's matrix products alone (every raw matrix of the model, as launched;
   the FFN down product through plain matvec, not its silu form) for B rows of x, under each of
   --matvec-configs: the products' share of a packed step, and how a kernel setting moves it.
+- scheduler: the server's engine loop itself (slots.Scheduler, pipelined, no HTTP) with N slots and
+  N requests of --sched-prompt random ids and --sched-tokens greedy tokens submitted at once, as
+  llama-batched-bench -npp 512 -ntg 128 -npl N: each request's time to its first token, and the
+  aggregate decode rate once all have one. A request that samples a stop id ends early (its
+  tokens counted as they came).
 
 The K/V rows are random f16 (SlotCache.fill_random): timing depends on sizes, not values; the
 numbers are as synthetic as the GGUF they run on.
@@ -21,6 +26,7 @@ numbers are as synthetic as the GGUF they run on.
     python -m muse_mlx.tools.bench_serving --model X.gguf [--warm 2048,32768,65536] [--cold-max 2048]
         [--batch 1,2,3,4] [--depth 0] [--decode-tokens 48] [--workdir DIR] [--receipt OUT.json]
         [--kernel-config stream_batch=0,...] [--matvec-rows 1,2,3,4 --matvec-configs "tag:cfg;tag:cfg"]
+        [--scheduler 1,2,3,4 --sched-prompt 512 --sched-tokens 128]
 """
 
 from __future__ import annotations
@@ -166,6 +172,53 @@ def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dic
             "per_sequence_tok_s": agg["mean"] / batch}
 
 
+def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps: int = 2) -> dict:
+    """The server's engine loop (slots.Scheduler, no HTTP) with `slots` slots: as many requests of
+    `prompt` random token ids and `tokens` greedy tokens, submitted at once (llama-batched-bench's
+    -npp prompt -ntg tokens -npl slots). Per repetition: each request's time to its first token
+    from the submission, and the aggregate decode rate once every request has its first token
+    (tokens after that moment over the time to the last one)."""
+    import threading
+
+    from ..sampling import SamplerSettings
+    from ..slots import Request, Scheduler
+
+    sched = Scheduler(model, tokenizer, slots, prompt + tokens + 8)
+    sched.thread.start()
+
+    def once(seed: int) -> dict:
+        times: list[list[float]] = [[] for _ in range(slots)]
+        done = [threading.Event() for _ in range(slots)]
+        t0 = time.perf_counter()
+        for i in range(slots):
+            ids = np.random.default_rng(seed * 16 + i).integers(0, model.geometry.n_vocab, prompt).tolist()
+
+            def emit(e, i=i):
+                if "token" in e:
+                    times[i].append(time.perf_counter())
+                if "finish_reason" in e or "error" in e:
+                    done[i].set()
+            sched.submit(Request(ids, tokens, SamplerSettings(), emit))
+        for d in done:
+            d.wait()
+        end = max(t[-1] for t in times if t)
+        first = max(t[0] for t in times if t)
+        after = sum(1 for t in times for x in t if x > first)
+        return {"ttft_s": [t[0] - t0 if t else None for t in times], "generated": [len(t) for t in times],
+                "aggregate_tok_s": after / (end - first) if end > first else None, "wall_s": end - t0}
+
+    try:
+        once(0)   # every shape's kernels and graphs built
+        runs = [once(r + 1) for r in range(reps)]
+    finally:
+        sched.stop()
+        sched.thread.join(60)
+    agg = [r["aggregate_tok_s"] for r in runs if r["aggregate_tok_s"]]
+    ttft = [x for r in runs for x in r["ttft_s"] if x is not None]
+    return {"slots": slots, "prompt": prompt, "tokens": tokens, "runs": runs,
+            "aggregate_tok_s": _stats(agg) if agg else None, "ttft_s": _stats(ttft) if ttft else None}
+
+
 def matvec_rows_cell(model, rows: list[int], configs: list[tuple[str, KernelConfig]], tokens: int = 16,
                      reps: int = 3) -> list[dict]:
     """Per kernel configuration and row count B: milliseconds of one step's matrix products alone
@@ -222,6 +275,10 @@ def _command(argv=None) -> int:
     p.add_argument("--cold-max", type=int, default=2048, help="also time the cold prefill up to this length")
     p.add_argument("--batch", default="1,2,3,4", help="slot counts of the packed-step cells ('' for none)")
     p.add_argument("--depth", type=int, default=0, help="K/V depth of each sequence in the batch cells")
+    p.add_argument("--scheduler", default="", help="slot counts of the engine-loop cells (slots.Scheduler: N "
+                   "requests at once, as llama-batched-bench -npl N; '' for none)")
+    p.add_argument("--sched-prompt", type=int, default=512, help="prompt tokens of each engine-loop request")
+    p.add_argument("--sched-tokens", type=int, default=128, help="greedy tokens of each engine-loop request")
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--workdir", help="where packs are written (default: a temporary folder)")
     p.add_argument("--receipt")
@@ -234,6 +291,10 @@ def _command(argv=None) -> int:
     args = p.parse_args(argv)
     kernel_config = KernelConfig.parse(args.kernel_config)
     warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
+    sched_slots = ints(args.scheduler, "--scheduler")
+    if any(not 1 <= v <= 4 for v in sched_slots) or args.sched_prompt < 1 or args.sched_tokens < 1:
+        raise MuseError("--scheduler values must be 1..4 (the server's --parallel), --sched-prompt and "
+                        "--sched-tokens >= 1")
     matvec_rows = ints(args.matvec_rows, "--matvec-rows")
     matvec_configs = KernelConfig.parse_tagged(args.matvec_configs, "--matvec-configs")
     if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
@@ -248,7 +309,7 @@ def _command(argv=None) -> int:
     t = time.perf_counter()
     model = load(args.model, backend="reference" if args.reference else "gpu", kernel_config=kernel_config)
     metrics = {"load_s": time.perf_counter() - t, "kernel_config": dataclasses.asdict(kernel_config), "warm": [],
-               "batch": [], "matvec_rows": []}
+               "batch": [], "matvec_rows": [], "scheduler": []}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="muse-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -279,6 +340,17 @@ def _command(argv=None) -> int:
             metrics["batch"].append(cell)
             print(f"batch {b}: {cell['aggregate_tok_s']['mean']:.1f} tok/s aggregate (CV "
                   f"{cell['aggregate_tok_s']['cv']:.2%}), {cell['per_sequence_tok_s']:.1f} per sequence", flush=True)
+        if sched_slots:
+            from ..tokenizer import MuseTokenizer
+
+            tokenizer = MuseTokenizer(model.artifact.vocabulary)
+        for n in sched_slots:
+            cell = scheduler_cell(model, tokenizer, n, args.sched_prompt, args.sched_tokens)
+            metrics["scheduler"].append(cell)
+            agg, ttft = cell["aggregate_tok_s"], cell["ttft_s"]
+            print(f"engine loop, {n} slot(s): {agg['mean'] if agg else float('nan'):.1f} tok/s aggregate, first token "
+                  f"{ttft['mean'] if ttft else float('nan'):.3f} s mean ({args.sched_prompt} + {args.sched_tokens} "
+                  f"tokens each)", flush=True)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

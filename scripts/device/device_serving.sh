@@ -3,7 +3,7 @@
 # bench GGUF written, the tiny model's weights in $TINY, the llama.cpp build started with
 # LLAMA_TARGETS="llama-bench llama-batched-bench llama-quantize"):
 #   1. tools/bench_serving.py on the bench GGUF: warm prefix reuse through kvpack, the packed step
-#      over 1..4 slots (synthetic);
+#      over 1..4 slots, the server's engine loop with 1..4 slots of 512 + 128 tokens (synthetic);
 #   2. the tiny model on the GPU: its F16 GGUF written here, quantized to Q8_0 by the pinned
 #      llama.cpp's llama-quantize, perplexity on its held-out pages through the kernels and through
 #      the MLX-ops reference, and the default greedy generation;
@@ -16,7 +16,7 @@ source ~/.muse-device/env.sh || exit 1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" MUSE_GIT_REVISION="$(cat .device/revision)"
 TINY=${TINY:-/tmp/tiny}
 while [ ! -f /tmp/bench.gguf ]; do sleep 2; done
-SERVING_ARGS=${SERVING_ARGS:-"--warm 2048,32768,65536 --cold-max 2048 --batch 1,2,3,4 --depth 0"}
+SERVING_ARGS=${SERVING_ARGS:-"--warm 2048,32768,65536 --cold-max 2048 --batch 1,2,3,4 --depth 0 --scheduler 1,2,3,4"}
 eval timeout 300 python3 -m muse_mlx.tools.bench_serving --model /tmp/bench.gguf --synthetic $SERVING_ARGS \
   --workdir /tmp/serving --receipt "$OUT/serving.json" 2>&1 | tee "$OUT/serving.log"
 {
