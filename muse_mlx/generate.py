@@ -69,6 +69,7 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
 @dataclass
 class Stats:
     load_seconds: float = 0.0
+    load_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)   # the file opened and checked, weights, tokenizer
     prompt_tokens: int = 0
     reused_tokens: int = 0
     prompt_seconds: float = 0.0
@@ -84,7 +85,8 @@ class Stats:
         kinds = cache.bytes_by_kind()
         fed = self.prompt_tokens - self.reused_tokens
         return [
-            f"load: {self.load_seconds:.2f} s (model and tokenizer)",
+            f"load: {self.load_seconds:.2f} s (file opened and checked {self.load_parts[0]:.2f} s, weights "
+            f"{self.load_parts[1]:.2f} s, tokenizer {self.load_parts[2]:.2f} s)",
             f"prompt: {self.prompt_tokens} tokens ({self.reused_tokens} reused), {fed} in {self.prompt_seconds:.3f} s, "
             f"{rate(fed, self.prompt_seconds)}; first token {self.first_token_seconds:.3f} s after the prompt arrived",
             f"generation: {self.generated_tokens} tokens, {rate(self.generated_tokens, self.generation_seconds)}"
@@ -169,11 +171,14 @@ def run(argv: list[str] | None = None) -> int:
     model_path = args.model if args.model is not None else default_model_path()
     model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
                  progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache)
+    t_tokenizer = time.perf_counter()
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:
         raise MuseError(f"--max-context {context} exceeds the model's context length {g.context_length}")
     tokenizer = MuseTokenizer(model.artifact.vocabulary)
+    opened = getattr(model, "open_seconds", 0.0)
+    load_parts = (opened, t_tokenizer - t_load - opened, time.perf_counter() - t_tokenizer)
 
     prompt = _read_prompt(args.prompt)
     if args.chat:
@@ -190,7 +195,7 @@ def run(argv: list[str] | None = None) -> int:
 
     sampler = Sampler(settings)
     streamer = tokenizer.streamer()
-    stats = Stats(load_seconds=time.perf_counter() - t_load, prompt_tokens=len(prompt_ids))
+    stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout
     start = time.perf_counter()
     cache, logits, stats.reused_tokens = prefill(model, model_path, prompt_ids, context, args)

@@ -304,9 +304,16 @@ def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig
          kernel_cache: bool = True) -> Model:
     """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference', kernel_cache as
     ops.select_ops takes them."""
+    import time
+
     from .artifact import open_artifact
 
-    return Model(open_artifact(path), select_ops(backend, kernel_config, kernel_cache), progress)
+    t = time.perf_counter()
+    artifact = open_artifact(path)
+    opened = time.perf_counter() - t
+    model = Model(artifact, select_ops(backend, kernel_config, kernel_cache), progress)
+    model.open_seconds = opened   # the file opened and checked (generate's load line)
+    return model
 
 
 __all__ = ["Model", "load", "rope_cos_sin"]

@@ -266,3 +266,19 @@ def test_a_missing_default_model_is_one_line(monkeypatch, capsys):
     assert generate.main(["--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert "no-such-model.gguf" in err and "reinstall" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_the_load_line_splits_the_load(capsys):
+    """stderr's load line: the total, then the file opened and checked, the weights, the tokenizer
+    (where a cold start's seconds go), parts that add up to no more than the total."""
+    import re
+
+    from muse_mlx import generate
+
+    assert generate.main(["--max-tokens", "1"]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("load:"))
+    m = re.fullmatch(r"load: ([\d.]+) s \(file opened and checked ([\d.]+) s, weights ([\d.]+) s, "
+                     r"tokenizer ([\d.]+) s\)", line)
+    assert m, line
+    total, *parts = map(float, m.groups())
+    assert sum(parts) <= total + 0.02
