@@ -209,6 +209,8 @@ class SlotCache:
             if g.is_swa(il) else GrowingPlane(g.n_head_kv, g.head_dim, context, dtype)
             for il in range(g.n_layer)
         ]
+        # each layer's (is a ring, capacity): the decode step groups layers by it
+        self.layer_kinds = tuple((isinstance(layer, SlidingRing), layer.capacity) for layer in self.layers)
 
     @property
     def offset(self) -> int:

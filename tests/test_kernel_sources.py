@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QT
 from muse_mlx.config import KernelConfig
 from muse_mlx.errors import MuseError
 from muse_mlx.kernels import Device, gpu_backend, plan
-from muse_mlx.kernels.source import KERNELS, read, render, sections, strip_comments
+from muse_mlx.kernels.source import KERNELS, compact, header_items, prune, read, render, sections, strip_comments
 from muse_mlx.model import load
 from muse_mlx.ops import select_ops
 
@@ -22,12 +22,41 @@ METAL = Device("metal", 64)
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_metal_and_cuda_share_the_body(name):
     family, parts, _, _ = KERNELS[name]
-    body = strip_comments("".join(sections(family)[p] for p in parts))
+    body = compact(strip_comments("".join(sections(family)[p] for p in parts)))
     for which in ("metal", "cuda"):
         header, source = render(family, parts, which)
         assert source.endswith(body)
-        assert source[: -len(body)].strip() == strip_comments(read(f"indices_{which}.h")).strip()
-        assert header.startswith(strip_comments(read(f"dialect_{which}.h")))
+        assert source[: -len(body)].strip() == compact(strip_comments(read(f"indices_{which}.h"))).strip()
+        full = compact(strip_comments(read(f"dialect_{which}.h") + "\n" + read("blocks.h"))).splitlines()
+        lines = header.splitlines()   # the pruned header: the full one's lines, in order, some left out
+        it = iter(full)
+        assert all(any(line == f for f in it) for line in lines)
+
+
+def test_prune_keeps_what_the_source_uses_directly_or_through_what_it_keeps():
+    header = "\n".join([
+        "#define ONE(x) (x + 1)",
+        "#define TWO(x) ONE(ONE(x))",
+        "#define UNUSED 3",
+        "#pragma once",
+        "template <typename P> inline float scaled(P p) {",
+        "  return TWO(p[0]);",
+        "}",
+        "__device__ __forceinline__ float lonely(float v)",
+        "{",
+        "  if (v > 0) { return v; }",
+        "  return -v;",
+        "}",
+        "inline float helper(float v) { return v; }",
+        "inline float caller(float v) { return helper(v) * 2.0f; }",
+        "",
+    ])
+    kept = prune(header, "y[0] = scaled(x) + caller(1.0f);")
+    assert [name for name, _ in header_items(kept) if name] == ["ONE", "TWO", "scaled", "helper", "caller"]
+    assert "#pragma once" in kept and "lonely" not in kept and "UNUSED" not in kept
+    assert "return -v" not in kept   # the multi-line function left out whole
+    assert [name for name, _ in header_items(header) if name] == [
+        "ONE", "TWO", "UNUSED", "scaled", "lonely", "helper", "caller"]
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

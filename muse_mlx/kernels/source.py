@@ -71,12 +71,69 @@ def strip_comments(text: str) -> str:
     return "".join(ln + "\n" for ln in lines if ln and not ln.lstrip().startswith("//"))
 
 
+def header_items(header: str) -> list[tuple[str | None, str]]:
+    """The header's top-level items as (the name each defines, its text): a `#define` line, or a
+    function from its first line to the brace that closes it. Any other line defines nothing."""
+    items: list[tuple[str | None, str]] = []
+    lines = header.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        macro = re.match(r"#define\s+(\w+)", line)
+        if macro:
+            j = i + 1
+            while lines[j - 1].rstrip().endswith("\\") and j < len(lines):
+                j += 1
+            items.append((macro.group(1), "".join(lines[i:j])))
+            i = j
+            continue
+        head = re.sub(r"^template\s*<[^>]*>\s*", "", line)
+        function = re.match(r"[\w\s]*?\b(\w+)\s*\(", head) if "(" in head and not line.startswith("#") else None
+        if function is None:
+            items.append((None, line))
+            i += 1
+            continue
+        j, depth, seen = i, 0, False
+        while j < len(lines):
+            depth += lines[j].count("{") - lines[j].count("}")
+            seen = seen or "{" in lines[j]
+            j += 1
+            if seen and depth == 0:
+                break
+        items.append((function.group(1), "".join(lines[i:j])))
+        i = j
+    return items
+
+
+def prune(header: str, source: str) -> str:
+    """The header without the items `source` does not use, directly or through the items it
+    keeps. MLX hashes a custom kernel's whole text at every launch (ledger, 2026-12-02): a
+    matvec needs one block format's decoders, not all five formats' and the attention's helpers."""
+    items = header_items(header)
+    names = set(re.findall(r"\w+", source))
+    keep = [name is None for name, _ in items]
+    grew = True
+    while grew:
+        grew = False
+        for n, (name, text) in enumerate(items):
+            if not keep[n] and name in names:
+                keep[n] = grew = True
+                names.update(re.findall(r"\w+", text))
+    return "".join(text for (_, text), k in zip(items, keep) if k)
+
+
+def compact(text: str) -> str:
+    """Each line without its indentation (C, CUDA and Metal do not read it)."""
+    return "".join(ln.lstrip() for ln in text.splitlines(keepends=True))
+
+
 def render(family: str, parts: list[str], which: str) -> tuple[str, str]:
-    """(header, source) of one kernel for backend `which` ('metal' or 'cuda'), comments stripped."""
+    """(header, source) of one kernel for backend `which` ('metal' or 'cuda'): comments stripped,
+    the header pruned to what the kernel uses, indentation dropped."""
     body = sections(family)
     header = strip_comments(read(f"dialect_{which}.h") + "\n" + read("blocks.h"))
     source = strip_comments(read(f"indices_{which}.h") + "\n" + "".join(body[p] for p in parts))
-    return header, source
+    return compact(prune(header, source)), compact(source)
 
 
 @lru_cache(maxsize=None)

@@ -47,32 +47,28 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
     """The next token's DecodePlan. Layers whose storage has one kind and capacity (the rings;
     the planes) form a group that shares a row index and a parameter array; a group's split
     count is the largest any sequence needs (the others' extra splits weigh zero), rounded
-    up (plan.attention_splits) so that one trace serves many tokens."""
+    up (plan.attention_splits) so that one trace serves many tokens. The layers of one cache
+    are at one offset, so each group's first layer speaks for the group (this runs once a
+    token: a loop over groups, not over the layers)."""
     config = kernels.config
     groups: dict[tuple, int] = {}
-    layer_groups = []
+    layer_groups, firsts = [], []   # per cache: the group of each layer; group -> its first layer
     for cache in caches:
-        ids = []
-        for layer in cache.layers:
-            gk = (isinstance(layer, SlidingRing), layer.capacity)
-            ids.append(groups.setdefault(gk, len(groups)))
-        layer_groups.append(tuple(ids))
+        ids = tuple(groups.setdefault(kind, len(groups)) for kind in cache.layer_kinds)
+        layer_groups.append(ids)
+        firsts.append({gi: cache.layers[ids.index(gi)] for gi in set(ids)})
     kinds = list(groups)
     chunks = tuple(config.ring_chunk if ring else config.plane_chunk for ring, _ in kinds)
-    n_valid = [[0] * len(kinds) for _ in caches]
-    rows = [[0] * len(kinds) for _ in caches]
-    for b, cache in enumerate(caches):
-        for layer, gi in zip(cache.layers, layer_groups[b]):
-            n_valid[b][gi] = min(layer.offset + 1, layer.capacity)
-            rows[b][gi] = layer.next_row
-    splits = tuple(max(kplan.attention_splits(n_valid[b][gi], chunks[gi], kinds[gi][1]) for b in range(len(caches))
-                       if gi in layer_groups[b]) for gi in range(len(kinds)))
+    n_valid = [{gi: min(layer.offset + 1, layer.capacity) for gi, layer in first.items()} for first in firsts]
+    splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
+                   for gi in range(len(kinds)))
     arrays = []
-    for b, cache in enumerate(caches):
+    for cache, first, valid in zip(caches, firsts, n_valid):
         n_kv, _, head_dim = cache.layers[0].keys.shape
         for gi in range(len(kinds)):
-            arrays.append(mx.array(np.full((n_kv, 1, head_dim), rows[b][gi], dtype=np.int32)))
-            arrays.append(kplan.attention_params(max(1, n_valid[b][gi]), chunks[gi], splits[gi]))
+            row = first[gi].next_row if gi in first else 0
+            arrays.append(mx.array(np.full((n_kv, 1, head_dim), row, dtype=np.int32)))
+            arrays.append(kplan.attention_params(max(1, valid.get(gi, 0)), chunks[gi], splits[gi]))
     for cache in caches:
         arrays += cache.state()
     return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), arrays)
