@@ -17,12 +17,14 @@
 #   GPU_TESTS, PYTEST_K, TEST_TIMEOUT: GPU checks of this tree after the timings
 #   LLAMA_BUILD=1 (carry .device/llama-src.tar.xz): build llama-bench in the background meanwhile,
 #              for device_b.sh in a later call (the build slows this call's host a little)
-# Without .device/base carried, only this tree and its variants are timed.
+# Every carried base tree is timed: .device/base (receipts ab-base-N.json) and .device/base-TAG
+# (ab-base-TAG-N.json), e.g. .device/base-0e4a0ae next to .device/base; without one, only this
+# tree and its variants are timed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi
 export PYTHONUNBUFFERED=1
-NEW=$PWD BASE=$PWD/.device/base
+NEW=$PWD
 [ "${LLAMA_BUILD:-0}" = 1 ] && bash scripts/device/build_llama_bg.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
 [ -f /tmp/bench.gguf ] || PYTHONPATH="$NEW:$PYTHONPATH" python3 scripts/make_bench_gguf.py /tmp/bench.gguf 2>&1 | tee "$OUT/make-gguf.log"
@@ -33,13 +35,15 @@ run_bench() {  # TREE TAG [KERNEL_CONFIG]
   [ -f "$1/muse_mlx/tools/bench.py" ] || module=muse_mlx.bench
   (cd "$1" && export PYTHONPATH="$1:$PYTHONPATH" \
     MUSE_GIT_REVISION="$(cat "$1/.device/revision" 2>/dev/null || cat "$1/revision")" && \
-    eval timeout 200 python3 -m $module --model /tmp/bench.gguf --synthetic $BENCH_ARGS \
+    eval timeout ${BENCH_TIMEOUT:-200} python3 -m $module --model /tmp/bench.gguf --synthetic $BENCH_ARGS \
     ${3:+--kernel-config "$3"} --receipt "$OUT/ab-$2.json") 2>&1 | grep -v "^$" | sed "s/^/[$2] /"
 }
 for round in 1 2; do
   run_bench "$NEW" "new-$round"
   for v in ${VARIANTS:-}; do run_bench "$NEW" "${v%%:*}-$round" "${v#*:}"; done
-  [ -d "$BASE" ] && run_bench "$BASE" "base-$round"   # skipped when .device/base is not carried
+  for base in .device/base .device/base-*; do
+    [ -d "$base" ] && run_bench "$PWD/$base" "${base#.device/}-$round"
+  done
 done
 if [ -n "${GPU_TESTS:-}" ]; then
   PYTHONPATH="$NEW:$PYTHONPATH" MUSE_GIT_REVISION="$(cat .device/revision)" MUSE_GPU_RECEIPT="$OUT/verification.json" \
