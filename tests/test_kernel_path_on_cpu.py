@@ -26,7 +26,7 @@ from muse_mlx.ops import ReferenceOps
 from muse_mlx.ops.gpu import GpuOps
 from muse_mlx.quant import dequantize
 from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_fixture, write_random_blocks
-from reference import ReferenceModel, log_softmax
+from reference import F16_EPS, ReferenceModel, log_softmax, within_precision_noise
 
 
 def rms_norm(x, w, eps):
@@ -146,27 +146,36 @@ LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
 def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout):
     """The tensor-core prefill lane (KernelConfig.prefill_f16 = 1: f16 weights, x rounded to f16
     after a per-row power-of-two scaling, f16 products) over 103 tokens, every position's
-    log-probs against the float64 oracle: no farther than llama.cpp's F16 lane is on these
-    weights, top-1 the oracle's but at near-ties, and the quantized matrices taken through the dequantize
-    kernel's contract."""
+    log-probs against the float64 oracle. On the well-conditioned fixture: no farther than
+    llama.cpp's F16 lane is on these weights, top-1 the oracle's but at near-ties. On the
+    ill-conditioned random-block fixture, where the oracle itself moves by tens of nats and
+    changes its top-1 at some positions under f16-sized perturbations: each position within the
+    oracle's own spread at f16 precision (reference.within_precision_noise, the float32 lane as
+    the reference path), the typical position no farther than llama.cpp's closest quantized lane
+    on the default fixture, and the quantized matrices taken through the dequantize kernel's
+    contract."""
     g = DEFAULT_GEOMETRY
     path = f32_fixture if layout == "f32" else write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=3)
     tokens = np.random.default_rng(6).integers(0, g.n_vocab, 103)
-    kernels = StandIns(KernelConfig(prefill_f16=1))
-    model = Model(open_artifact(path), GpuOps(kernels))
-    ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), chunk=103, all_logits=True))
-    oracle = ReferenceModel(path).logits(tokens)
+
+    def lane(f16):
+        kernels = StandIns(KernelConfig(prefill_f16=f16))
+        model = Model(open_artifact(path), GpuOps(kernels))
+        return np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), chunk=103, all_logits=True)), kernels
+
+    ours, kernels = lane(1)
+    reference = ReferenceModel(path)
+    oracle = reference.logits(tokens)
     d = np.abs(log_softmax(ours) - log_softmax(oracle))
-    flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]   # top-1 unlike the oracle's: near-ties only
-    lp = log_softmax(oracle)
-    assert (lp[flips, oracle.argmax(-1)[flips]] - lp[flips, ours.argmax(-1)[flips]] < LLAMA_F16_LANE_FROM_ORACLE).all()
     if layout == "f32":
+        flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]   # top-1 unlike the oracle's: near-ties only
+        lp = log_softmax(oracle)
+        assert (lp[flips, oracle.argmax(-1)[flips]] - lp[flips, ours.argmax(-1)[flips]] < LLAMA_F16_LANE_FROM_ORACLE).all()
         assert d.max() < LLAMA_F16_LANE_FROM_ORACLE, d.max()
-    else:   # the random-block fixture is ill-conditioned (logits of std ~10; tests/gpu): a position whose
-        # sub-layer output nearly cancels is rescaled by the post-norm, and there any rounding moves the
-        # log-probs (the float32 lane's worst is ~6e-2 from the oracle): top-1 at every position, and
-        # the typical position no farther than llama.cpp's closest quantized lane on the default fixture
+    else:
         assert kernels.dequantized and set(kernels.dequantized) <= {plan.QT.Q4_K, plan.QT.Q6_K}
+        verdict = within_precision_noise(ours, lane(0)[0], reference, tokens, F16_EPS)
+        assert verdict["ok"], verdict
         assert np.median(d.max(axis=-1)) < LLAMA_Q8_0_LANE_FROM_ORACLE, np.median(d.max(axis=-1))
 
 

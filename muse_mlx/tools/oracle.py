@@ -154,13 +154,30 @@ def within_float32_noise(ours: np.ndarray, ref: np.ndarray, model: ReferenceMode
     token draws of the random Q4_K_M fixture (2026-11-29, docs/ledger.md): a float32 path
     with a different summation order stays within 1.04 x its allowance at worst; a window off
     by one, RoPE a position late, bf16 activations or bf16 K/V, or skipping the token's own key
-    exceed it by 9x to 2,000x."""
+    exceed it by 9x to 2,000x. Also asks the oracle's top-1 at 98 % of the positions."""
+    return within_precision_noise(ours, ref, model, tokens, eps, draws, top1_min=0.98)
+
+
+# The oracle's perturbation for a path that rounds its activations to float16 (x and K at the
+# products): f16's unit roundoff.
+F16_EPS = 2.0 ** -11
+
+
+def within_precision_noise(ours: np.ndarray, ref: np.ndarray, model: ReferenceModel, tokens, eps: float,
+                           draws: int = 4, top1_min: float = 0.0) -> dict:
+    """within_float32_noise's allowance for a path computing at relative precision `eps`
+    (F16_EPS for the f16 prefill lane). On the random Q4_K_M fixture the oracle perturbed at
+    F16_EPS moves by up to 1-50 nats at some positions and changes its own top-1 there with
+    gaps up to 49 nats (2026-12-02, docs/ledger.md), so a top-1 rule cannot judge such a path
+    there (`top1_min` 0 by default); the per-position distance does: over 24 token draws an
+    F16_EPS-perturbed oracle stayed within 1.0 x its allowance, and a window off by one or a
+    RoPE base x 1.5 (each with the same perturbation) exceeded it by 1.5x to 102x."""
     oracle = model.logits(tokens)
     sens = np.max([position_errors(model.logits(tokens, eps=eps, seed=i), oracle) for i in range(draws)], axis=0)
     e_ours, e_ref = position_errors(ours, oracle), position_errors(ref, oracle)
     allowance = 0.02 + 4 * np.maximum(e_ref, sens)
     top1 = float((ours.argmax(-1) == oracle.argmax(-1)).mean())
-    return {"ok": bool(np.isfinite(ours).all() and (e_ours <= allowance).all() and top1 >= 0.98),
+    return {"ok": bool(np.isfinite(ours).all() and (e_ours <= allowance).all() and top1 >= top1_min),
             "worst_error_over_allowance": float((e_ours / allowance).max()),
             "max_abs_dlogprob_vs_oracle": float(e_ours.max()), "ref_max_abs_dlogprob_vs_oracle": float(e_ref.max()),
             "top1_vs_oracle": top1}

@@ -20,7 +20,7 @@ from muse_mlx.kernels import Kernels, gpu_device, plan
 from muse_mlx.model import load
 from muse_mlx.quant import dequantize
 from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, random_blocks, write_fixture, write_random_blocks
-from reference import ReferenceModel, attention_ref, log_softmax, within_float32_noise
+from reference import F16_EPS, ReferenceModel, attention_ref, log_softmax, within_float32_noise, within_precision_noise
 
 pytestmark = pytest.mark.skipif(gpu_device() is None, reason="no Metal or CUDA device")
 KERNELS = Kernels(gpu_device(), KernelConfig()) if gpu_device() is not None else None
@@ -199,28 +199,42 @@ LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
 def test_prefill_lanes_against_the_oracle(fixture_files, name):
     """A 103-token prefill (every position's logits) on both prefill lanes against the float64
     oracle: the float32 lane (prefill_f16 = 0) and the tensor-core lane (1: dequant.inc to f16,
-    x rounded to f16 after a per-row power-of-two scaling, MLX's f16 GEMM). The f16 lane must pick
-    the oracle's top-1 except at near-ties (the oracle's two log-probs closer than llama.cpp's F16-lane
-    distance) and stay within that distance on a well-conditioned fixture; on the ill-conditioned random-block one, its typical position
-    within llama.cpp's Q8_0-lane distance. Both lanes' distances go to the receipt."""
+    x rounded to f16 after a per-row power-of-two scaling, MLX's f16 GEMM). On a well-conditioned
+    fixture the f16 lane must pick the oracle's top-1 except at near-ties (the oracle's two
+    log-probs closer than llama.cpp's F16-lane distance) and stay within that distance. On the
+    ill-conditioned random-block one, where the oracle itself moves by up to tens of nats and
+    changes its top-1 at some positions under f16-sized perturbations (ledger, 2026-12-02), each
+    position must be within the oracle's own spread at f16 precision
+    (reference.within_precision_noise at F16_EPS, the float32 lane as the reference path) and
+    the typical position within llama.cpp's Q8_0-lane distance. Both lanes' distances and the
+    flips' oracle gaps go to the receipt."""
     tokens = np.random.default_rng([SEED, 13]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103)
-    oracle = log_softmax(ReferenceModel(fixture_files[name]).logits(tokens))
-    fields, lanes = {}, {}
+    reference = ReferenceModel(fixture_files[name])
+    oracle = log_softmax(reference.logits(tokens))
+    fields, lanes, logits = {}, {}, {}
     for lane in (0, 1):
         with mx.stream(mx.gpu):
             model = load(fixture_files[name], "gpu", KernelConfig(prefill_f16=lane))
-            ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
+            ours = logits[lane] = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)),
+                                                         all_logits=True))
         d = np.abs(log_softmax(ours.astype(np.float64)) - oracle).max(axis=-1)
-        flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]   # top-1 unlike the oracle's: near-ties only
+        flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]   # top-1 unlike the oracle's
         gaps = oracle[flips, oracle.argmax(-1)[flips]] - oracle[flips, ours.argmax(-1)[flips]]
         fields[f"lane{lane}_top1_flips"] = int(len(flips))
+        fields[f"lane{lane}_top1_flip_gaps"] = [float(x) for x in gaps]
         lanes[lane] = (d, bool((gaps < LLAMA_F16_LANE_FROM_ORACLE).all()), bool(np.isfinite(ours).all()))
         fields[f"lane{lane}_max"] = float(d.max())
         fields[f"lane{lane}_median"] = float(np.median(d))
         fields[f"lane{lane}_top1_flips_near_ties"] = lanes[lane][1]
-    d, top1, finite = lanes[1]
-    bound = LLAMA_F16_LANE_FROM_ORACLE if name not in RANDOM_FIXTURES else LLAMA_Q8_0_LANE_FROM_ORACLE
-    ok = finite and top1 and float(d.max() if name not in RANDOM_FIXTURES else np.median(d)) < bound
+    d, near_ties, finite = lanes[1]
+    if name in RANDOM_FIXTURES:
+        bound = LLAMA_Q8_0_LANE_FROM_ORACLE
+        verdict = within_precision_noise(logits[1], logits[0], reference, tokens, F16_EPS)
+        fields["lane1_worst_error_over_f16_allowance"] = verdict["worst_error_over_allowance"]
+        ok = verdict["ok"] and float(np.median(d)) < bound
+    else:
+        bound = LLAMA_F16_LANE_FROM_ORACLE
+        ok = finite and near_ties and float(d.max()) < bound
     record("prefill_lanes_vs_oracle", fixture=name, bound=bound, **fields, **{"pass": bool(ok)})
     assert ok, fields
 
