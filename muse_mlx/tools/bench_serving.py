@@ -204,8 +204,12 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
         end = max(t[-1] for t in times if t)
         first = max(t[0] for t in times if t)
         after = sum(1 for t in times for x in t if x > first)
-        return {"ttft_s": [t[0] - t0 if t else None for t in times], "generated": [len(t) for t in times],
-                "aggregate_tok_s": after / (end - first) if end > first else None, "wall_s": end - t0}
+        run = {"ttft_s": [t[0] - t0 if t else None for t in times], "generated": [len(t) for t in times],
+               "aggregate_tok_s": after / (end - first) if end > first else None, "wall_s": end - t0,
+               "compiled_steps": len(getattr(model, "_compiled", {}))}   # traces so far (each B and split key)
+        print(f"  engine loop, {slots} slot(s), run {seed}: {run['wall_s']:.2f} s, {run['compiled_steps']} compiled "
+              f"steps so far", file=sys.stderr, flush=True)
+        return run
 
     try:
         once(0)   # every shape's kernels and graphs built
