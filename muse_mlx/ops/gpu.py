@@ -26,7 +26,7 @@ from ..artifact import RawTensor
 from ..geometry import Geometry
 from ..kernels import Kernels
 from ..kernels import plan as kplan
-from ..kv import SlidingRing, SlotCache
+from ..kv import SlotCache
 from ..quant import dequantize
 from .reference import Matrix, ReferenceOps, Slice, stack_raw
 
