@@ -129,3 +129,21 @@ def test_envelope_counts_what_the_file_holds(f32_fixture, tmp_path):
 def test_envelope_user_errors(tmp_path):
     assert run("muse_mlx.tools.envelope", "--tok-s", "-3").returncode == 2
     assert run("muse_mlx.tools.envelope", "--bench-receipt", str(tmp_path / "none.json")).returncode == 2
+
+
+def test_bench_decode_cell_keeps_the_storage_out_of_its_peak():
+    """The bench's peak memory over the active memory during its decode reps is there to show a
+    K/V write that copies its storage; it must not count a refill of the cache. On the default
+    model (reference backend, depth 40) it stays below one set of storage arrays; refilling the
+    cache inside the window, as the bench did from ebd927c to 6ff9398, put it at twice that (448 KB
+    against 221 KB when written)."""
+    from muse_mlx.default_model import default_model_path
+    from muse_mlx.model import load
+    from muse_mlx.tools.bench import decode_cell
+
+    model = load(default_model_path(), "reference")
+    cell = decode_cell(model, 40, 6, 2, 1)
+    storage = model.make_cache(40 + 2 * 6 + 2).nbytes
+    assert cell["tok_s"]["mean"] > 0
+    assert cell["peak_over_active_bytes_synced"] < storage, (cell["peak_over_active_bytes_synced"], storage)
+    assert cell["peak_over_active_bytes_pipelined"] < storage, (cell["peak_over_active_bytes_pipelined"], storage)
