@@ -41,6 +41,24 @@ def run(command: Callable[[list[str] | None], int], argv: list[str] | None = Non
         return 0
 
 
+def exit_now(status: int) -> None:
+    """End the process with `status`, skipping the interpreter's teardown: Python's streams and
+    log handlers flushed, then os._exit. For the commands whose engine runs MLX on a worker thread
+    (the server's slots, bench_serving's engine-loop cells): with MLX 0.32.4, a process that
+    evaluated a prefill and a decode step on such a thread aborts in its C++ teardown at exit
+    ("terminate called without an active exception", status 134), after all its work is done and
+    written (2026-12-02, docs/ledger.md). Only for `python -m` entry points: never in-process."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 def ints(text: str, flag: str) -> list[int]:
     """A comma-separated list of integers, as flags like --depths take them."""
     try:

@@ -556,6 +556,7 @@ def _command(argv=None) -> int:
         uvicorn.run(app.starlette(), host=args.host, port=args.port, log_level="warning")
     finally:
         scheduler.stop()
+        scheduler.thread.join(60)   # the step in flight ends before the process does
     return 0
 
 
@@ -564,4 +565,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_now(main())

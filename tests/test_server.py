@@ -6,6 +6,7 @@ and a small load test (MUSE_LOAD_REQUESTS for a larger one)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,11 +36,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_path, *extra, parallel=2):
+def start_server(model_path, *extra, parallel=2, preexec_fn=None):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "muse_mlx.server", "--model", str(model_path), "--port", str(port),
                              "--parallel", str(parallel), "--ctx-size", str(CTX), "--reference", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
@@ -407,3 +408,30 @@ def test_the_pipelined_step_keeps_each_slot_s_tokens_equal_to_its_cache(f32_fixt
     finally:
         sched.stop()
         sched.thread.join(30)
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # as from a terminal (a background job's is ignored)
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 0), (signal.SIGTERM, -signal.SIGTERM)])
+def test_the_server_stops_cleanly_after_serving(f32_fixture, sig, status):
+    """Ctrl-C after requests were served: uvicorn's graceful shutdown, then the scheduler's thread
+    joined, status 0 (a server stopped by its operator, as uvicorn and llama-server end); a TERM:
+    the same shutdown, then uvicorn re-raises the signal, so the status says TERM. Never an
+    abort: with MLX 0.32.4 a process that ran a prefill and a decode step on the scheduler's
+    thread aborted in its C++ teardown at exit ("terminate called without an active exception",
+    status 134), which cli.exit_now skips."""
+    proc, base = start_server(f32_fixture, parallel=1, preexec_fn=_default_sigint)
+    try:
+        for max_tokens in (4, 3):
+            r = httpx.post(base + "/v1/completions", json={"prompt": "A list is", "max_tokens": max_tokens}, timeout=120)
+            assert r.status_code == 200, r.text
+        proc.send_signal(sig)
+        got = proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert got == status, (got, err)
+    assert "terminate called" not in err and "Traceback" not in err, err

@@ -371,4 +371,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_now(main())   # the engine-loop cells ran MLX on the scheduler's thread (cli.exit_now)
