@@ -537,6 +537,8 @@ def _command(argv=None) -> int:
     p.add_argument("--prompt-cache", nargs="?", const="", metavar="DIR", help="reuse stored prompt prefixes (kvpack)")
     p.add_argument("--slot-save-path", metavar="DIR", help="folder for POST /slots/{id}?action=save|restore")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up (a short prefill and a decode step over every slot count) before listening")
     args = p.parse_args(argv)
     if not 1 <= args.parallel <= 4:
         raise MuseError(f"--parallel must be 1..4, got {args.parallel}")
@@ -550,9 +552,10 @@ def _command(argv=None) -> int:
     import uvicorn
 
     scheduler.thread.start()
-    print(f"muse_mlx server: {app.model_name}, {len(scheduler.slots)} slot(s) x {scheduler.context:,} positions, "
-          f"KV {scheduler.kv_bytes:,} bytes held; http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
+        warm = "" if args.no_warmup else f"; warm-up {scheduler.warm_up():.2f} s"
+        print(f"muse_mlx server: {app.model_name}, {len(scheduler.slots)} slot(s) x {scheduler.context:,} positions, "
+              f"KV {scheduler.kv_bytes:,} bytes held{warm}; http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         uvicorn.run(app.starlette(), host=args.host, port=args.port, log_level="warning")
     finally:
         scheduler.stop()

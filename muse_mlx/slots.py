@@ -155,6 +155,34 @@ class Scheduler:
     def describe(self) -> list[dict]:
         return [s.describe() for s in self.slots]
 
+    # A prompt this long takes the prefill's own path (longer than the decode step's rows).
+    WARM_UP_PROMPT = 8
+
+    def warm_up(self) -> float:
+        """Before serving (the thread started, no request yet): on the scheduler's own thread, one
+        short prefill and one decode step over 1..N slots, so that the first requests do not pay
+        for loading or compiling the kernels and tracing the compiled step (MLX keeps compiled
+        functions per thread), as llama-server warms up unless --no-warmup. The slots are empty
+        again after it; nothing reaches the prompt cache. -> seconds taken."""
+        def run() -> float:
+            t = time.perf_counter()
+            n = min(self.WARM_UP_PROMPT, self.context - 1)   # and room for the decode step
+            if n < 1:
+                return 0.0
+            caches = [slot.cache for slot in self.slots]
+            logits = []
+            for cache in caches:
+                cache.reset()
+                logits.append(self.model.prefill([0] * n, cache))
+            mx.eval(logits)
+            for b in range(1, len(caches) + 1):
+                mx.eval(self.model(mx.zeros((b, 1), dtype=mx.int32), caches[:b]))
+            for slot in self.slots:
+                slot.cache.reset()
+                slot.tokens = []
+            return time.perf_counter() - t
+        return self.control(run)
+
     def stop(self) -> None:
         with self.wake:
             self.running = False

@@ -434,4 +434,45 @@ def test_the_server_stops_cleanly_after_serving(f32_fixture, sig, status):
         if proc.poll() is None:
             proc.kill()
     assert got == status, (got, err)
-    assert "terminate called" not in err and "Traceback" not in err, err
+    assert "warm-up" in err and "terminate called" not in err and "Traceback" not in err, err
+
+
+def test_the_warm_up_traces_the_decode_step_on_the_engine_thread_and_leaves_no_trace(tmp_path, f32_fixture, solo):
+    """Scheduler.warm_up (the server's start, unless --no-warmup): on the engine's thread, a short
+    prefill and one decode step over each slot count. With the kernel path (CPU stand-ins for the
+    kernels) it traces the compiled step for B = 1, 2, 3, so a first short request adds no trace;
+    the slots are empty after it, and what a request then decodes is its solo run's text."""
+    import sys as _sys
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.config import KernelConfig
+    from muse_mlx.model import Model
+    from muse_mlx.ops.gpu import GpuOps
+    from muse_mlx.slots import Request, Scheduler
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from test_kernel_path_on_cpu import StandIns
+
+    model = Model(open_artifact(f32_fixture), GpuOps(StandIns(KernelConfig(prefill_f16=0))))
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    sched = Scheduler(model, tok, 3, CTX)
+    sched.thread.start()
+    try:
+        assert sched.warm_up() > 0
+        assert sorted(key[0] for key in model._compiled) == [1, 2, 3]   # B of each traced step
+        traced = set(model._compiled)
+        assert sched.control(lambda: [(s.cache.offset, s.tokens, s.state) for s in sched.slots]) == [(0, [], "idle")] * 3
+        ids, events, finished = prompt_ids(5, 44), [], threading.Event()
+
+        def emit(e):
+            events.append(e)
+            if "finish_reason" in e or "error" in e:
+                finished.set()
+        sched.submit(Request(list(ids), 6, SamplerSettings(), emit))
+        assert finished.wait(120) and not any("error" in e for e in events)
+        assert set(model._compiled) == traced
+        # the same text as the MLX-ops reference's solo run, through the float32 stand-ins
+        assert "".join(e.get("text", "") for e in events) == solo(ids, 6)
+    finally:
+        sched.stop()
+        sched.thread.join(60)
