@@ -13,6 +13,7 @@
 #              VARIANTS="small:ring_chunk=16,plane_chunk=64 cw8:combine_warps=8" writes
 #              ab-small-{1,2}.json and ab-cw8-{1,2}.json. The base tree is always timed with its
 #              own defaults.
+#   PASSES     interleaved passes (default 2; each tree once a pass)
 #   BENCH_ARGS the bench's arguments (default below: decode only, depths 0 and 32,768)
 #   GPU_TESTS, PYTEST_K, TEST_TIMEOUT: GPU checks of this tree after the timings
 #   LLAMA_BUILD=1 (carry .device/llama-src.tar.xz): build llama-bench in the background meanwhile,
@@ -38,7 +39,7 @@ run_bench() {  # TREE TAG [KERNEL_CONFIG]
     eval timeout ${BENCH_TIMEOUT:-200} python3 -m $module --model /tmp/bench.gguf --synthetic $BENCH_ARGS \
     ${3:+--kernel-config "$3"} --receipt "$OUT/ab-$2.json") 2>&1 | grep -v "^$" | sed "s/^/[$2] /"
 }
-for round in 1 2; do
+for round in $(seq 1 "${PASSES:-2}"); do
   run_bench "$NEW" "new-$round"
   for v in ${VARIANTS:-}; do run_bench "$NEW" "${v%%:*}-$round" "${v#*:}"; done
   for base in .device/base .device/base-*; do
