@@ -755,10 +755,10 @@ def _check_vectors(path: Path, tensors: dict[str, RawTensor], g: Geometry) -> No
 # 3e38 weight overflows on its first multiply. The test is on the exponent bits alone.
 
 # (byte offset, count) of the f16 scales in each block: d (and dmin) of ggml-common.h.
-_F16_SCALES = {QT.Q8_0: (0, 1), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208, 1)}
+F16_SCALES = {QT.Q8_0: (0, 1), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208, 1)}
 # Per float format: (view dtype, exponent mask, smallest refused exponent bits): inf/NaN for
 # F16 (its largest finite value is 65,504), |w| >= 2^16 = 65,536 (and inf/NaN) for F32 and BF16.
-_NONFINITE_MASK = {QT.F32: (np.uint32, 0x7F800000, 0x47800000), QT.F16: (np.uint16, 0x7C00, 0x7C00),
+NONFINITE_MASK = {QT.F32: (np.uint32, 0x7F800000, 0x47800000), QT.F16: (np.uint16, 0x7C00, 0x7C00),
                    QT.BF16: (np.uint16, 0x7F80, 0x4780)}
 _SCAN_CHUNK_BYTES = 64 << 20  # bound the temporaries: one 64 MiB slice of a tensor at a time (a thread)
 SCAN_THREADS = min(8, os.cpu_count() or 1)
@@ -779,8 +779,8 @@ def _first_nonfinite(t: RawTensor) -> tuple[int, int, float] | None:
     """(row, column, value) of the first non-finite element or block scale, or None."""
     rows, row_bytes = t.data.shape
     chunk_rows = max(1, _SCAN_CHUNK_BYTES // max(row_bytes, 1))
-    if t.qtype in _NONFINITE_MASK:
-        dtype, mask, refused = _NONFINITE_MASK[t.qtype]
+    if t.qtype in NONFINITE_MASK:
+        dtype, mask, refused = NONFINITE_MASK[t.qtype]
         for r0 in range(0, rows, chunk_rows):
             bits = t.data[r0:r0 + chunk_rows].view(dtype)
             bad = (bits & dtype(mask)) >= dtype(refused)
@@ -789,8 +789,8 @@ def _first_nonfinite(t: RawTensor) -> tuple[int, int, float] | None:
                 value = _as_float32(RawTensor(t.name, t.qtype, (bits.shape[1],), t.data[r0 + r:r0 + r + 1]))[col]
                 return r0 + int(r), int(col), float(value)
         return None
-    if t.qtype in _F16_SCALES:
-        offset, count = _F16_SCALES[t.qtype]
+    if t.qtype in F16_SCALES:
+        offset, count = F16_SCALES[t.qtype]
         block, type_size = GGML_QUANT_SIZES[t.qtype]
         per_row = row_bytes // type_size
         for r0 in range(0, rows, chunk_rows):
@@ -829,7 +829,7 @@ def check_matrix_weights(path: Path, tensors: dict[str, RawTensor], offsets: dic
         for (name, t), found in zip(matrices, pool.map(scan, matrices)):
             if found is not None:
                 row, col, value = found
-                if t.qtype in _NONFINITE_MASK:
+                if t.qtype in NONFINITE_MASK:
                     raise ArtifactError(path, f"tensor {name!r} row {row} element {col}",
                                         "finite weights of magnitude below 65,536", repr(value))
                 raise ArtifactError(path, f"tensor {name!r} row {row} block scale at element {col}",

@@ -33,6 +33,9 @@ class KernelConfig:
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
         multiplied in float32, the exactness lane for parity runs.
+    pinned_upload: how host bytes (the weights at load, kvpack's restores) reach a CUDA device:
+        1 = read into page-locked staging and copied by a kernel (kernels/upload.py); 0 = mx.load's
+        per-tensor host buffers and pageable copies. Metal and the CPU share memory: unused there.
     """
 
     ring_chunk: int = 32
@@ -42,11 +45,12 @@ class KernelConfig:
     stream_batch: int = 4
     stream_batch_rf: int = 0
     prefill_f16: int = 1
+    pinned_upload: int = 1
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
-                  "stream_batch_rf": (0, 4), "prefill_f16": (0, 1)}
+                  "stream_batch_rf": (0, 4), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

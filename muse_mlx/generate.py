@@ -253,7 +253,7 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
         model_id = {"fingerprint": kvpack.fingerprint(model_path, cache_dir()), "architecture": "muse-glimmer"}
     if args.load_kv:
         t = time.perf_counter()
-        cache, tokens = kvpack.restore(args.load_kv, g, model_id["fingerprint"], context)
+        cache, tokens = kvpack.restore(args.load_kv, g, model_id["fingerprint"], context, upload=model.ops.upload)
         if len(tokens) >= len(prompt_ids) or prompt_ids[:len(tokens)] != tokens:
             raise MuseError(f"{args.load_kv}: its {len(tokens)} tokens are not a proper prefix of the prompt's "
                             f"{len(prompt_ids)}")
@@ -263,7 +263,7 @@ def prefill(model, model_path, prompt_ids: list[int], context: int, args):
         cache, tokens = None, []
     if args.prompt_cache is not None:
         pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g,
-                         budget_bytes=args.prompt_cache_bytes)
+                         budget_bytes=args.prompt_cache_bytes, upload=model.ops.upload)
         hit = pc.lookup(prompt_ids, context)
         print(f"prompt cache: reused {hit.reused} of {len(prompt_ids)} prompt tokens"
               + (f" (restore {hit.seconds:.3f} s)" if hit.reused else "")

@@ -275,7 +275,7 @@ def read_manifest(path) -> Pack:
     tokens = m.get("tokens")
     _need(isinstance(tokens, list) and len(tokens) == offset, path,
           f"the token list does not hold {offset} ids")
-    _need(all(_int(t) and 0 <= t < geometry.n_vocab for t in tokens), path,
+    _need(set(map(type, tokens)) <= {int} and (not tokens or 0 <= min(tokens) <= max(tokens) < geometry.n_vocab), path,
           f"a token id is not an integer in 0..{geometry.n_vocab - 1}")
     held = min(offset, geometry.ring_rows(context)) if geometry.n_swa else 0
     _need(m.get("ring_rows_held") == held, path, f"ring_rows_held is {m.get('ring_rows_held')!r}, not {held}")
@@ -325,7 +325,7 @@ def check_for_model(pack: Pack, geometry: Geometry, model_fingerprint: str) -> N
 class _Blob:
     """A blob whose bytes hashed to its name and whose header was checked: the bytes (the same
     object is handed to MLX, so what was checked is what is loaded) and its one tensor's place."""
-    data: bytes
+    data: bytes | memoryview
     name: str
     dtype: np.dtype
     shape: tuple
@@ -354,7 +354,7 @@ def _tensor_header(data: bytes, pack: Pack, name: str) -> dict:
     _need(n <= min(HEADER_MAX_BYTES, len(data) - 8), pack.path, f"{tag} is not a safetensors file (its header "
           f"claims {n:,} bytes)")
     try:
-        header = json.loads(data[8:8 + n].decode("utf-8"))
+        header = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise PackError(f"{pack.path}: {tag} is not a safetensors file (its header is not JSON)") from None
     _need(isinstance(header, dict), pack.path, f"{tag} is not a safetensors file (its header is not an object)")
@@ -380,20 +380,23 @@ def _tensor_header(data: bytes, pack: Pack, name: str) -> dict:
     return header
 
 
-def _read_blob(pack: Pack, name: str, key: str, shape: tuple, dtype=None) -> _Blob:
-    """A blob, its size bounded before it is read, its hash checked against its name, holding
-    exactly one tensor `key` of `shape` at the encoding (or `dtype`); f32 values must be f16 values."""
+def _blob_file(pack: Pack, name: str, shape: tuple, dtype=None) -> tuple[Path, int]:
+    """A blob's file and size, the size bounded by what its tensor needs before anything is read."""
     f = pack.path / "blobs" / f"{name}.safetensors"
-    dt = np.dtype(dtype or ENCODINGS[pack.manifest["encoding"]])
-    need = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    need = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype or ENCODINGS[pack.manifest["encoding"]]).itemsize
     try:
-        with open(f, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            _need(need + 8 <= size <= need + 8 + HEADER_MAX_BYTES, pack.path, f"blob {name[:12]}... is {size:,} bytes; "
-                  f"its tensor needs {need:,} (changed or cut)")
-            data = fh.read()
+        size = f.stat().st_size
     except OSError as exc:
         raise PackError(f"{pack.path}: blob {name[:12]}... is missing ({exc.strerror})") from None
+    _need(need + 8 <= size <= need + 8 + HEADER_MAX_BYTES, pack.path, f"blob {name[:12]}... is {size:,} bytes; "
+          f"its tensor needs {need:,} (changed or cut)")
+    return f, size
+
+
+def _check_blob(pack: Pack, name: str, data, key: str, shape: tuple, dtype=None) -> _Blob:
+    """A blob's bytes (`data`: bytes or a memoryview) checked: hashed to its name, holding exactly one
+    tensor `key` of `shape` at the encoding (or `dtype`); f32 values must be f16 values."""
+    dt = np.dtype(dtype or ENCODINGS[pack.manifest["encoding"]])
     _need(hashlib.sha256(data).hexdigest() == name, pack.path, f"blob {name[:12]}... does not hash to its name "
           f"(changed or cut)")
     header = _tensor_header(data, pack, name)
@@ -410,19 +413,65 @@ def _read_blob(pack: Pack, name: str, key: str, shape: tuple, dtype=None) -> _Bl
     return blob
 
 
-def _row_blobs(pack: Pack) -> tuple[list[_Blob], list[_Blob]]:
-    """The plane chunks' and ring groups' blobs, every one checked (_read_blob), several at once:
-    reading and SHA-256 release the GIL, so a large pack is hashed on as many cores as threads."""
+def _read_blob(pack: Pack, name: str, key: str, shape: tuple, dtype=None) -> _Blob:
+    """A blob read whole into host memory and checked (_blob_file, _check_blob)."""
+    f, size = _blob_file(pack, name, shape, dtype)
+    try:
+        with open(f, "rb") as fh:
+            data = fh.read(size + 1)
+    except OSError as exc:
+        raise PackError(f"{pack.path}: blob {name[:12]}... is missing ({exc.strerror})") from None
+    return _check_blob(pack, name, data, key, shape, dtype)
+
+
+def _wanted(pack: Pack) -> list[tuple[str, tuple]]:
+    """(blob, tensor shape) of the plane chunks, then of the ring groups."""
     m, g = pack.manifest, _geometry(pack)
     n_kv, hd, n_full = g.n_head_kv, g.head_dim, g.n_layer - g.n_swa
     wanted = [(c["blob"], (n_full, 2, n_kv, c["rows"], hd)) for c in m["plane_chunks"]]
-    wanted += [(grp["blob"], (len(grp["layers"]), 2, n_kv, m["ring_rows_held"], hd)) for grp in m["ring_groups"]]
+    return wanted + [(grp["blob"], (len(grp["layers"]), 2, n_kv, m["ring_rows_held"], hd)) for grp in m["ring_groups"]]
+
+
+def _row_blobs(pack: Pack) -> list[_Blob]:
+    """The plane chunks' and ring groups' blobs in host memory, every one checked (_read_blob),
+    several at once: reading and SHA-256 release the GIL, so a pack is hashed on as many cores
+    as threads."""
+    wanted = _wanted(pack)
     if len(wanted) < 2:
-        blobs = [_read_blob(pack, name, "kv", shape) for name, shape in wanted]
-    else:
-        with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(wanted))) as pool:
-            blobs = list(pool.map(lambda w: _read_blob(pack, w[0], "kv", w[1]), wanted))
-    return blobs[:len(m["plane_chunks"])], blobs[len(m["plane_chunks"]):]
+        return [_read_blob(pack, name, "kv", shape) for name, shape in wanted]
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(wanted))) as pool:
+        return list(pool.map(lambda w: _read_blob(pack, w[0], "kv", w[1]), wanted))
+
+
+def _row_arrays(pack: Pack, upload=None) -> list[mx.array]:
+    """The row blobs' tensors as MLX arrays, every blob checked before its bytes go to MLX, the
+    checks of later blobs overlapping the loads of earlier ones. upload: a kernels.upload
+    PinnedUpload (the blobs read into its page-locked staging, checked there and copied by the
+    GPU from there; a pack with a blob larger than the staging's half takes the other way); None:
+    each blob read into host memory, checked, and loaded by mx.load from
+    those same bytes. Any refusal is raised before the caller makes storage of them."""
+    wanted = _wanted(pack)
+    dt = ENCODINGS[pack.manifest["encoding"]]
+    files = [_blob_file(pack, name, shape) for name, shape in wanted]
+    if upload is not None and all(size <= upload.half_bytes for _, size in files):
+        from .kernels.upload import Piece
+
+        def check(i: int, view: memoryview) -> tuple[int, int]:
+            blob = _check_blob(pack, wanted[i][0], view, "kv", wanted[i][1])
+            return blob.start, int(np.prod(blob.shape)) * blob.dtype.itemsize
+        try:
+            raw = upload.upload([Piece(f, 0, size) for f, size in files], check)
+        except OSError as exc:
+            raise PackError(f"{pack.path}: a blob cannot be read ({exc})") from None
+        return [a.view(mx.float16 if dt == np.float16 else mx.float32).reshape(shape)
+                for a, (_, shape) in zip(raw, wanted)]
+    with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(wanted)))) as pool:
+        futures = [pool.submit(_read_blob, pack, name, "kv", shape) for name, shape in wanted]
+        try:
+            return [f.result().device() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
 
 
 def verify(path, geometry: Geometry | None = None, model_fingerprint: str | None = None) -> Pack:
@@ -457,12 +506,14 @@ def _storage(rows: mx.array, capacity: int) -> mx.array:
     return mx.concatenate([rows, mx.zeros((rows.shape[0], pad, rows.shape[2]), KV_DTYPE)], axis=1)
 
 
-def restore(path, geometry: Geometry, model_fingerprint: str, context: int | None = None) -> tuple[SlotCache, list[int]]:
+def restore(path, geometry: Geometry, model_fingerprint: str, context: int | None = None,
+            upload=None) -> tuple[SlotCache, list[int]]:
     """A new SlotCache holding the pack's rows and offset, and the token ids they are of. Every
-    check, every blob's included, runs before any of the cache's storage is made. The rows go to
-    MLX blob by blob (mx.load of the checked bytes) and are put in place by MLX ops: on a GPU
-    the storage is made on the device."""
-    pack = read_manifest(path)
+    check, every blob's included, runs before any of the cache's storage is made; each blob's
+    bytes go to MLX once they are checked, while later blobs are read and hashed (_row_arrays;
+    `upload`: the ops backend's PinnedUpload, or None for mx.load), and are put in place by MLX
+    ops: on a GPU the storage is made on the device. `path` may be a Pack read_manifest made."""
+    pack = path if isinstance(path, Pack) else read_manifest(path)
     check_for_model(pack, geometry, model_fingerprint)
     m = pack.manifest
     context = context or m["context"]
@@ -471,26 +522,25 @@ def restore(path, geometry: Geometry, model_fingerprint: str, context: int | Non
     _need(geometry.ring_rows(context) == geometry.ring_rows(m["context"]), pack.path,
           f"its rings were {geometry.ring_rows(m['context'])} rows; a context of {context} makes them "
           f"{geometry.ring_rows(context)}")
-    chunks, rings = _row_blobs(pack)
+    arrays = _row_arrays(pack, upload)
+    planes, rings = arrays[:len(m["plane_chunks"])], arrays[len(m["plane_chunks"]):]
     cache = SlotCache(geometry, context, KV_DTYPE)
     full = [i for i in range(geometry.n_layer) if not geometry.is_swa(i)]
-    if chunks:
-        planes = [b.device() for b in chunks]
+    if planes:
         plane = planes[0] if len(planes) == 1 else mx.concatenate(planes, axis=3)
         for j, i in enumerate(full):
             layer = cache.layers[i]
             layer.restore_storage(_storage(plane[j, 0], layer.capacity), _storage(plane[j, 1], layer.capacity),
                                   m["offset"])
-        del planes, plane
-    for grp, blob in zip(m["ring_groups"], rings):
-        ring = blob.device()
+        del plane
+    for grp, ring in zip(m["ring_groups"], rings):
         for j, i in enumerate(grp["layers"]):
             layer = cache.layers[i]
             layer.restore_storage(_storage(ring[j, 0], layer.capacity), _storage(ring[j, 1], layer.capacity),
                                   m["offset"])
     for layer in cache.layers:     # no rows held (offset 0): the storage as allocated, the offset set
         layer.offset = m["offset"]
-    del chunks, rings
+    del arrays, planes, rings
     mx.eval(cache.state())
     return cache, list(m["tokens"])
 

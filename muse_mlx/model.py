@@ -29,7 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .artifact import Artifact, RawTensor
+from .artifact import Artifact, RawTensor, check_matrix_weights
+from .errors import ArtifactError
 from .config import KernelConfig
 from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
 from .kv import KV_DTYPE, SlotCache
@@ -68,10 +69,10 @@ def _vector(raw: RawTensor) -> mx.array:
 class Embedding(nn.Module):
     """Token rows gathered from the raw table and dequantized on the fly (only the rows used)."""
 
-    def __init__(self, raw: RawTensor, piece_bytes: int | None = None):
+    def __init__(self, raw: RawTensor, ops: ReferenceOps):
         super().__init__()
         self.qtype = raw.qtype
-        self.rows = load_raw([raw], piece_bytes)[0]  # (n_vocab, row_bytes)
+        self.rows = ops.load_raw([raw])[0]  # (n_vocab, row_bytes)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return dequantize(self.rows[tokens], self.qtype)
@@ -166,22 +167,36 @@ class Model(nn.Module):
         self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
-        self.embed = Embedding(t["token_embd.weight"], ops.raw_piece_bytes)
+        self.embed = Embedding(t["token_embd.weight"], ops)
+        self._loaded(self.embed.parameters())
         artifact.release([t["token_embd.weight"]])   # its bytes are copied: the mapping need not hold them
         self.blocks = []
         for il in range(g.n_layer):
             raws = {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}
             self.blocks.append(Block(ops, g, il, raws))
-            mx.eval(self.blocks[-1].parameters())
+            self._loaded(self.blocks[-1].parameters())
             artifact.release(raws.values())
             if progress is not None:
                 progress(il + 1, g.n_layer)
         self.output_norm = _vector(t["output_norm.weight"])
         self.output = ops.matrix([t["output.weight"]])
+        self._loaded(self.output.parameters())
         artifact.release([t["output.weight"]])
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
         self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
         mx.eval(self.parameters())
+
+    def _loaded(self, parameters) -> None:
+        """Evaluate newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,
+        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are). A set flag
+        means a bad matrix: the artifact's host scan then names the first, in the file's order."""
+        flags, self._ops.weight_flags = self._ops.weight_flags, []
+        mx.eval(parameters, flags)
+        if any(bool(f.item()) for f in flags):
+            a = self.artifact
+            check_matrix_weights(a.path, a.tensors, {name: r.offset for name, r in a.tensors.items()})
+            raise ArtifactError(a.path, "a matrix", "finite weights and block scales",
+                                "a non-finite value the host scan did not locate")
 
     @property
     def ops(self) -> ReferenceOps:
@@ -309,7 +324,7 @@ def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig
     from .artifact import open_artifact
 
     t = time.perf_counter()
-    artifact = open_artifact(path)
+    artifact = open_artifact(path, check_weights=False)   # the matrices are checked as they load (Model._loaded)
     opened = time.perf_counter() - t
     model = Model(artifact, select_ops(backend, kernel_config, kernel_cache), progress)
     model.open_seconds = opened   # the file opened and checked (generate's load line)

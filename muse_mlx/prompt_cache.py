@@ -20,7 +20,6 @@ earlier checkpoint holds. The folder is kept under a byte budget, least recently
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -48,11 +47,12 @@ class Hit(NamedTuple):
 
 class PromptCache:
     def __init__(self, root, model_id: dict, geometry: Geometry, budget_bytes: int = 16 * 2**30,
-                 every: int = 8 * PREFILL_CHUNK, chunk: int = PREFILL_CHUNK, warn=None):
+                 every: int = 8 * PREFILL_CHUNK, chunk: int = PREFILL_CHUNK, warn=None, upload=None):
+        """upload: how a restore's rows reach the device (kvpack.restore's; the ops backend's)."""
         if every % chunk:
             raise ValueError(f"checkpoints every {every} positions must fall on multiples of the chunk {chunk}")
         self.root, self.model_id, self.geometry = Path(root), dict(model_id), geometry
-        self.budget, self.every, self.chunk = budget_bytes, every, chunk
+        self.budget, self.every, self.chunk, self.upload = budget_bytes, every, chunk, upload
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
         try:
             (self.root / "entries").mkdir(parents=True, exist_ok=True)
@@ -65,37 +65,50 @@ class PromptCache:
     def _entries(self) -> list[Path]:
         return [p for p in (self.root / "entries").iterdir() if (p / "manifest.json").exists()]
 
+    def _prefix_ids(self, tokens: list[int], ends: list[int]) -> dict[int, str]:
+        """The entry id of tokens[:n] for each n of `ends` (ascending), in one pass over the tokens:
+        SHA-256 of the model's fingerprint then the ids as 4-byte integers, copied at each end."""
+        h = hashlib.sha256(self.model_id["fingerprint"].encode())
+        ids, at = {}, 0
+        data = np.asarray(tokens, dtype="<u4")
+        for n in ends:
+            h.update(data[at:n].tobytes())
+            ids[n], at = h.copy().hexdigest()[:32], n
+        return ids
+
+    def _entry_id(self, tokens: list[int]) -> str:
+        return self._prefix_ids(tokens, [len(tokens)])[len(tokens)]
+
     def lookup(self, prompt: list[int], context: int) -> Hit:
         """The prompt's exact end with its logits if stored, else the deepest checkpoint on a chunk
-        multiple that is a proper prefix of it, restored; Hit(None, 0, 0.0) when none is. A corrupt
-        entry is dropped with a warning and the next is tried."""
-        candidates = []
-        for entry in self._entries():
-            try:
-                pack = kvpack.read_manifest(entry)
-            except PackError as exc:
-                self.warn(f"prompt cache: dropping a corrupt entry ({exc})")
-                shutil.rmtree(entry, ignore_errors=True)
+        multiple that is a proper prefix of it, restored; Hit(None, 0, 0.0) when none is. Entries
+        are found by the ids of the prompt's prefixes (no other entry's manifest is read). A
+        corrupt entry is dropped with a warning and the next is tried."""
+        if not prompt:
+            return Hit(None, 0, 0.0)
+        ends = list(range(self.chunk, len(prompt), self.chunk)) + [len(prompt)]
+        ids = self._prefix_ids(prompt, ends)
+        for n in reversed(ends):     # the exact end first, then the deepest checkpoint
+            entry = self.root / "entries" / ids[n]
+            if not (entry / "manifest.json").exists():
                 continue
-            m = pack.manifest
-            n = m["offset"]
-            if m["model"]["fingerprint"] != self.model_id["fingerprint"] or m["tokens"] != prompt[:n]:
-                continue
-            if n == len(prompt) and "last_logits" in m:
-                candidates.append((n + 1, entry, pack))     # the exact end first
-            elif 0 < n < len(prompt) and n % self.chunk == 0:
-                candidates.append((n, entry, pack))
-        for _, entry, pack in sorted(candidates, key=lambda c: c[0], reverse=True):
             t = time.perf_counter()
             try:
-                logits = kvpack.read_last_logits(pack) if pack.manifest["offset"] == len(prompt) else None
-                cache, _ = kvpack.restore(entry, self.geometry, self.model_id["fingerprint"], context)
+                pack = kvpack.read_manifest(entry)
+                m = pack.manifest
+                exact = n == len(prompt)
+                if (m["model"]["fingerprint"] != self.model_id["fingerprint"] or m["offset"] != n
+                        or m["tokens"] != prompt[:n] or (exact and "last_logits" not in m)):
+                    continue
+                logits = kvpack.read_last_logits(pack) if exact else None
+                cache, _ = kvpack.restore(pack, self.geometry, self.model_id["fingerprint"], context,
+                                          upload=self.upload)
             except PackError as exc:
                 self.warn(f"prompt cache: dropping a corrupt entry ({exc})")
                 shutil.rmtree(entry, ignore_errors=True)
                 continue
             os.utime(entry / "manifest.json")   # most recently used
-            return Hit(cache, pack.manifest["offset"], time.perf_counter() - t, logits)
+            return Hit(cache, n, time.perf_counter() - t, logits)
         return Hit(None, 0, 0.0)
 
     # ---- prefill with checkpoints ----
@@ -132,10 +145,6 @@ class PromptCache:
         self.store(cache, prompt, known or {}, last_logits=np.array(logits.astype(mx.float32)))
 
     # ---- store and evict ----
-
-    def _entry_id(self, tokens: list[int]) -> str:
-        h = hashlib.sha256(self.model_id["fingerprint"].encode() + json.dumps(tokens).encode())
-        return h.hexdigest()[:32]
 
     def store(self, cache, tokens: list[int], known: dict, last_logits=None) -> dict:
         """Save the cache (holding exactly `tokens`) as an entry; its blobs become links into the

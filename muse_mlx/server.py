@@ -516,7 +516,7 @@ def build(args) -> tuple[App, Scheduler]:
     model_id = {"fingerprint": kvpack.fingerprint(model_path, cache_dir()), "architecture": "muse-glimmer"}
     pc = None
     if args.prompt_cache is not None:
-        pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g)
+        pc = PromptCache(args.prompt_cache or cache_dir() / "prompts", model_id, g, upload=model.ops.upload)
     scheduler = Scheduler(model, tokenizer, args.parallel, context, queue_max=args.queue, prompt_cache=pc)
     save_path = Path(args.slot_save_path) if args.slot_save_path else None
     if save_path is not None and not save_path.is_dir():

@@ -377,7 +377,8 @@ class Scheduler:
             if slot.state != "idle":
                 raise MuseError(f"slot {index} is busy")
             t = time.perf_counter()
-            cache, tokens = kvpack.restore(path, self.model.geometry, model_id["fingerprint"], self.context)
+            cache, tokens = kvpack.restore(path, self.model.geometry, model_id["fingerprint"], self.context,
+                                           upload=self.model.ops.upload)
             slot.cache, slot.tokens, slot.restored = cache, tokens, True
             return {"id_slot": index, "n_restored": len(tokens), "ms": (time.perf_counter() - t) * 1e3}
         return self.control(restore)

@@ -23,8 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .artifact import RawTensor
+from gguf import GGML_QUANT_SIZES
+
+from .artifact import F16_SCALES, NONFINITE_MASK, RawTensor
 from .errors import ArtifactError
+from .kernels.upload import Piece
 
 
 class TensorStream(io.RawIOBase):
@@ -95,12 +98,15 @@ def _pieces(r: RawTensor, piece_bytes: int | None) -> list[RawTensor]:
             for i in range(0, r.data.shape[0], rows)]
 
 
-def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.array]:
+def load_raw(raws: list[RawTensor], piece_bytes: int | None = None, upload=None) -> list[mx.array]:
     """Each raw tensor's (rows, row_bytes) uint8 bytes as an MLX array. Tensors mapped from a file go
-    through mx.load of a TensorStream over it; others are copied. piece_bytes: read each tensor in
+    through `upload` (a kernels.upload.PinnedUpload: page-locked staging, CUDA) when given, else
+    mx.load of a TensorStream over the file; others are copied. piece_bytes: read each tensor in
     row ranges of at most this many bytes, put together on the device (CUDA: MLX stages a load
     in a host buffer it allocates, and glibc maps a buffer over 32 MiB fresh each time; the H200's
     host read 16 MiB pieces at 3.2-3.6 GB/s against 1.1-1.2 GB/s whole, docs/ledger.md 2026-12-02)."""
+    if upload is not None:
+        return _upload_raw(raws, upload)
     out: list[mx.array | None] = [None] * len(raws)
     by_file: dict[Path, list[tuple[int, RawTensor]]] = {}
     for i, r in enumerate(raws):
@@ -123,3 +129,46 @@ def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.a
         for i, arrays in parts.items():
             out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
     return out
+
+
+def _upload_raw(raws: list[RawTensor], upload) -> list[mx.array]:
+    """load_raw through a PinnedUpload: each tensor in row ranges of at most its half of the staging."""
+    out: list[mx.array | None] = [None] * len(raws)
+    pieces, owners = [], []
+    for i, r in enumerate(raws):
+        if r.path is None or r.offset is None:
+            out[i] = mx.array(np.ascontiguousarray(r.data))
+            continue
+        for part in _pieces(r, upload.half_bytes):
+            pieces.append(Piece(Path(part.path), part.offset, part.data.nbytes))
+            owners.append((i, part.data.shape))
+    try:
+        loaded = upload.upload(pieces)
+    except OSError as exc:   # the file cut since it was opened
+        raise ArtifactError(raws[0].path, f"cannot read its tensors any more (changed since it was opened?): "
+                            f"{exc}") from None
+    parts: dict[int, list[mx.array]] = {}
+    for (i, shape), a in zip(owners, loaded):
+        parts.setdefault(i, []).append(a.reshape(shape))
+    for i, arrays in parts.items():
+        out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
+    return out
+
+
+def nonfinite_flag(raw: RawTensor, array: mx.array) -> mx.array | None:
+    """Whether a matrix's raw bytes, loaded as `array` (rows, row_bytes) uint8, hold what the
+    artifact's weight scan refuses (artifact.check_matrix_weights: a NaN/Inf element, |w| >= 65,536
+    in F32/BF16, a NaN/Inf f16 block scale), computed by MLX where the bytes are (on a GPU, at its
+    bandwidth, instead of a host pass over the file): a bool scalar, lazy; None for a type with
+    nothing to check (NVFP4)."""
+    if raw.qtype in NONFINITE_MASK:
+        dtype, mask, refused = NONFINITE_MASK[raw.qtype]
+        bits = array.view(mx.uint32 if dtype == np.uint32 else mx.uint16)
+        return mx.any((bits & mask) >= refused)
+    if raw.qtype in F16_SCALES:
+        offset, count = F16_SCALES[raw.qtype]
+        type_size = GGML_QUANT_SIZES[raw.qtype][1]
+        b = array.reshape(array.shape[0], -1, type_size)[:, :, offset:offset + 2 * count].astype(mx.uint16)
+        bits = b[..., 0::2] | (b[..., 1::2] << 8)
+        return mx.any((bits & 0x7C00) == 0x7C00)
+    return None

@@ -20,7 +20,7 @@ import sys
 
 from muse_mlx.kernels.source import KERNELS, render
 
-CUDA_T = {"uint8": "uint8_t", "int32": "int32_t", "float16": "__half", "bfloat16": "__nv_bfloat16",
+CUDA_T = {"uint8": "uint8_t", "uint64": "uint64_t", "int32": "int32_t", "float16": "__half", "bfloat16": "__nv_bfloat16",
           "float32": "float"}
 
 # (kernel, input dtypes, output dtypes, template) to instantiate; every kernel of KERNELS needs
@@ -76,9 +76,15 @@ def main() -> int:
     for kname in uncovered:
         print(f"{kname:20s} no case in CASES: FAILED")
     failures += len(uncovered)
-    for kname, in_types, out_types, template in CASES:
-        family, parts, inputs, outputs = KERNELS[kname]
-        header, source = render(family, parts, "cuda")
+    from muse_mlx.kernels.upload import copy_source
+
+    upload = ("upload", ["uint64"], ["uint8"], [])   # kernels/upload.py's copy (CUDA only, not in KERNELS)
+    for kname, in_types, out_types, template in CASES + [upload]:
+        if kname == "upload":
+            header, source, inputs, outputs = "", copy_source(), ["meta"], ["out"]
+        else:
+            family, parts, inputs, outputs = KERNELS[kname]
+            header, source = render(family, parts, "cuda")
         fn = f"custom_kernel_muse_{kname}"
         text = wrap(fn, header, source, inputs, in_types, outputs, out_types, template)
         prog = ctypes.c_void_p()

@@ -395,6 +395,26 @@ def test_the_prompt_cache_keeps_to_its_budget_least_recently_used_first(model, m
     assert all(f.stat().st_nlink > 1 for f in (tmp_path / "pc" / "blobs").iterdir())   # no orphans
 
 
+def test_a_lookup_reads_only_the_prompts_own_entries(model, model_id, tmp_path, monkeypatch):
+    """Entries are found by the ids of the prompt's prefixes: with other prompts' entries stored,
+    a lookup reads the manifests of this prompt's entries only, the deepest first, and stops at
+    the first it restores."""
+    from muse_mlx.prompt_cache import PromptCache
+
+    pc = PromptCache(tmp_path / "pc", model_id, model.geometry, every=64, chunk=32)
+    for seed in (31, 32, 33):
+        pc.prefill(model, prompt(140, seed=seed), model.make_cache(256), 0)
+    read = []
+    real = kvpack.read_manifest
+    monkeypatch.setattr(kvpack, "read_manifest", lambda path: read.append(path.name) or real(path))
+    ids = prompt(140, seed=32)[:130] + prompt(20, seed=40)
+    hit = pc.lookup(ids, 256)
+    assert hit.reused == 128 and hit.logits is None
+    assert read == [pc._entry_id(ids[:128])]
+    read.clear()
+    assert pc.lookup(prompt(140, seed=32), 256).reused == 140 and len(read) == 1
+
+
 # ---- the command lines ------------------------------------------------------------------------
 
 

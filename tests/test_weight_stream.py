@@ -95,3 +95,60 @@ def test_a_file_cut_after_it_was_opened_is_one_clear_error(tmp_path):
     with pytest.raises(ArtifactError, match="cannot read its tensors any more") as exc:
         load_raw(raws)
     assert "\n" not in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_the_device_flag_agrees_with_the_host_scan(fixture_dir):
+    """weight_stream.nonfinite_flag (MLX ops over the loaded bytes) against the artifact's host scan
+    (numpy over the mapping, the oracle), per matrix, on each type the scan knows: clean tensors,
+    then each with one element or block scale set to NaN, Inf, or (F32/BF16) 1e5."""
+    from gguf import GGMLQuantizationType as QT
+
+    from muse_mlx.artifact import NONFINITE_MASK, F16_SCALES, _first_nonfinite
+    from muse_mlx.weight_stream import nonfinite_flag
+
+    rng = np.random.default_rng(17)
+    for qtype in [*NONFINITE_MASK, *F16_SCALES, QT.NVFP4]:
+        from muse_mlx.tools.fixtures import random_blocks
+
+        k = 512
+        data = random_blocks(6, k, qtype, rng) if qtype not in NONFINITE_MASK else \
+            rng.standard_normal((6, k)).astype({QT.F32: np.float32, QT.F16: np.float16}.get(qtype, np.float32))
+        if qtype == QT.BF16:
+            data = (rng.standard_normal((6, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(6, -1)
+        cases = [raw]
+        for value in (np.nan, np.inf, 1e5):
+            bad = raw.copy()
+            r, c = int(rng.integers(0, 6)), int(rng.integers(0, k))
+            if qtype in NONFINITE_MASK:
+                width = {QT.F32: 4, QT.F16: 2, QT.BF16: 2}[qtype]
+                v = np.array([-np.inf if value == 1e5 and qtype == QT.F16 else value], np.float32)
+                b = v.astype(np.float16).view(np.uint8) if qtype == QT.F16 else \
+                    (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8) if qtype == QT.BF16 else v.view(np.uint8)
+                bad[r, c * width:(c + 1) * width] = b
+            elif qtype in F16_SCALES:
+                from gguf import GGML_QUANT_SIZES
+
+                off, count = F16_SCALES[qtype]
+                size = GGML_QUANT_SIZES[qtype][1]
+                blk = c % (bad.shape[1] // size)
+                which = int(rng.integers(0, count))
+                bad[r, blk * size + off + 2 * which:blk * size + off + 2 * which + 2] = \
+                    np.array([-np.inf if value == 1e5 else value], np.float16).view(np.uint8)
+            cases.append(bad)
+        for case in cases:
+            t = RawTensor("m", qtype, (k, 6), case)
+            host = _first_nonfinite(t) is not None
+            flag = nonfinite_flag(t, mx.array(case))
+            assert (False if flag is None else bool(flag.item())) == host, (qtype.name, host)
+
+
+def test_load_checks_the_matrices_without_the_host_scan(f32_fixture, monkeypatch):
+    """model.load opens the file without the host weight scan: a good file loads with the scan
+    unreachable (the matrices are checked on the loaded bytes)."""
+    import muse_mlx.artifact as artifact
+    import muse_mlx.model as model
+
+    monkeypatch.setattr(artifact, "check_matrix_weights", lambda *a, **k: pytest.fail("host scan"))
+    monkeypatch.setattr(model, "check_matrix_weights", lambda *a, **k: pytest.fail("host scan"))
+    model.load(f32_fixture)

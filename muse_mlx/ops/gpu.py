@@ -28,7 +28,7 @@ from ..kernels import Kernels
 from ..kernels import plan as kplan
 from ..kv import SlotCache
 from ..quant import dequantize
-from .reference import Matrix, ReferenceOps, Slice, stack_raw
+from .reference import Matrix, ReferenceOps, Slice
 
 
 class DecodePlan(NamedTuple):
@@ -152,6 +152,7 @@ class GpuOps(ReferenceOps):
     name = "gpu"
 
     def __init__(self, kernels: Kernels):
+        super().__init__()
         self.kernels = kernels
         self._eps: dict[tuple, mx.array] = {}
         self._dequantized = False   # a product of this layer dequantized its matrix (a long chunk)
@@ -166,6 +167,15 @@ class GpuOps(ReferenceOps):
         """CUDA: raw tensors loaded in 16 MiB row ranges (weight_stream.load_raw says why)."""
         return 16 * 2**20 if self.backend == "cuda" else None
 
+    @property
+    def upload(self):
+        """CUDA with KernelConfig.pinned_upload = 1: the process's page-locked staging
+        (kernels/upload.py), for the weights and kvpack's restores; else None (mx.load)."""
+        if self.backend != "cuda" or not self.kernels.config.pinned_upload:
+            return None
+        from ..kernels.upload import pinned_upload
+        return pinned_upload()
+
     def _eps_array(self, *values: float) -> mx.array:
         if values not in self._eps:
             self._eps[values] = mx.array(values, dtype=mx.float32)
@@ -175,7 +185,7 @@ class GpuOps(ReferenceOps):
         qtype = raws[0].qtype
         if not kplan.supports(qtype):
             return super().matrix(raws)
-        return Matrix(stack_raw(raws, self.raw_piece_bytes), qtype, True, raws[0].shape[0], sum(r.shape[1] for r in raws))
+        return Matrix(self.stack_raw(raws), qtype, True, raws[0].shape[0], sum(r.shape[1] for r in raws))
 
     def project(self, w: Matrix, x: mx.array) -> mx.array:
         if not w.raw:

@@ -17,7 +17,7 @@ from ..artifact import RawTensor
 from ..geometry import Geometry
 from ..kv import SlotCache
 from ..quant import dequantize
-from ..weight_stream import load_raw
+from ..weight_stream import load_raw, nonfinite_flag
 
 # Bound on one attention score block (heads x queries x keys x 4 bytes), so a 512-token chunk
 # at depth 131,072 does not need 8.6 GB at once.
@@ -43,12 +43,6 @@ class Matrix(nn.Module):
     def __init__(self, data: mx.array, qtype: QT, raw: bool, n_in: int, n_out: int):
         super().__init__()
         self.data, self.qtype, self.raw, self.n_in, self.n_out = data, qtype, raw, n_in, n_out
-
-
-def stack_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> mx.array:
-    """The raw rows of several matrices of one type and row length, one after another."""
-    arrays = load_raw(raws, piece_bytes)
-    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -146,11 +140,30 @@ class ChunkStep:
 class ReferenceOps:
     name = "reference"
     raw_piece_bytes: int | None = None   # weight_stream.load_raw's piece size (None: whole tensors)
+    upload = None                        # a kernels.upload.PinnedUpload for the raw bytes (None: mx.load)
+
+    def __init__(self):
+        self.weight_flags: list[mx.array] = []   # of the matrices loaded since Model last checked them
+
+    def load_raw(self, raws: list[RawTensor]) -> list[mx.array]:
+        """Each raw tensor's (rows, row_bytes) uint8 bytes on the device (weight_stream.load_raw); for
+        each matrix, its weight_stream.nonfinite_flag is added to `weight_flags` (Model checks them)."""
+        arrays = load_raw(raws, self.raw_piece_bytes, self.upload)
+        for r, a in zip(raws, arrays):
+            flag = nonfinite_flag(r, a) if len(r.shape) == 2 else None
+            if flag is not None:
+                self.weight_flags.append(flag)
+        return arrays
+
+    def stack_raw(self, raws: list[RawTensor]) -> mx.array:
+        """The raw rows of several matrices of one type and row length, one after another."""
+        arrays = self.load_raw(raws)
+        return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
 
     def matrix(self, raws: list[RawTensor]) -> Matrix:
         """Load one matrix, or several of one type and row length stacked by rows."""
         qtype = raws[0].qtype
-        return Matrix(dequantize(stack_raw(raws, self.raw_piece_bytes), qtype), qtype, False, raws[0].shape[0],
+        return Matrix(dequantize(self.stack_raw(raws), qtype), qtype, False, raws[0].shape[0],
                       sum(r.shape[1] for r in raws))
 
     def project(self, w: Matrix, x: mx.array) -> mx.array:

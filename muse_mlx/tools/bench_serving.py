@@ -104,7 +104,7 @@ def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path) -> 
 
     def warm_once() -> tuple[float, float]:
         t0 = time.perf_counter()
-        restored, _ = kvpack.restore(pack_dir, g, model_id["fingerprint"], length + 1)
+        restored, _ = kvpack.restore(pack_dir, g, model_id["fingerprint"], length + 1, upload=model.ops.upload)
         mx.eval(restored.state())
         t1 = time.perf_counter()
         first = mx.argmax(model.prefill(tokens[ckpt:], restored))
@@ -129,8 +129,9 @@ def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path) -> 
 
     def end_once() -> float:
         t0 = time.perf_counter()
-        logits = kvpack.read_last_logits(kvpack.read_manifest(end_dir))
-        restored, _ = kvpack.restore(end_dir, g, model_id["fingerprint"], length + 1)
+        pack = kvpack.read_manifest(end_dir)
+        logits = kvpack.read_last_logits(pack)
+        restored, _ = kvpack.restore(pack, g, model_id["fingerprint"], length + 1, upload=model.ops.upload)
         mx.eval(restored.state())
         int(np.argmax(logits))
         return time.perf_counter() - t0

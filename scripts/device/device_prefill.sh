@@ -9,9 +9,10 @@
 #           "f16 f32": prefill_f16 = 1 / 0), then llama-bench -p 512,2048 -d 0,32768 when built
 #           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 #   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
-#           warm, MLX's kernel disk cache in a fresh folder: without our kernel cache, then twice
-#           with it (the default: the first run compiles and writes, the second reads; MLX's own
-#           JIT kernels are cached there from the first run on, whatever the flag); then `llama-completion -n 1` twice when built ($OUT/cold-start.json)
+#           warm, MLX's kernel disk cache in a fresh folder: once to fill it (our kernel cache
+#           and MLX's own JIT kernels), then twice each, interleaved, with the weights through the
+#           page-locked staging (the default) and through mx.load (pinned_upload=0); then
+#           `llama-completion -n 1` twice when built ($OUT/cold-start.json)
 # Carry .device/revision (and .device/part2 on a machine no call has set up yet).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,9 +57,11 @@ if [[ " $PARTS " == *" cold "* ]]; then
   need_gguf
   rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
   GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
-  specs=("no-kernel-cache|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --no-kernel-cache"
-         "kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
-         "kernel-cache-second|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
+  specs=("kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
+  for i in 1 2; do
+    specs+=("pinned-$i|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
+            "mx.load-$i|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --kernel-config pinned_upload=0")
+  done
   wait_llama
   if [ -x $LLAMA/llama-completion ]; then
     LC="$LLAMA/llama-completion -m $G -p 'The quick brown fox jumps over the lazy dog, and then' -n 1 -ngl 99 -no-cnv"

@@ -656,3 +656,23 @@ def test_cached_kernels_compute_what_mlx_compiles(fixture_files, tmp_path, name)
     record("disk_cache_bitwise", fixture=name, first=first[:2], second=second[:2], failed=first[2:3],
            max_abs=float(np.abs(a - c).max()), **{"pass": ok})
     assert ok, (first, second, float(np.abs(a - b).max()), float(np.abs(a - c).max()))
+
+
+@CUDA_ONLY
+def test_pinned_upload_copies_every_byte(tmp_path):
+    """kernels/upload.py's copy kernel: pieces at every alignment it branches on (16, 8, other
+    bytes), spans starting inside the piece, pieces that fill both halves of a 1 MiB staging:
+    each array equals the file's bytes."""
+    from muse_mlx.kernels.upload import Piece, PinnedUpload
+
+    rng = np.random.default_rng(SEED)
+    data = rng.integers(0, 256, 3 * 2**20 + 13, dtype=np.uint8)
+    f = tmp_path / "bytes.bin"
+    data.tofile(f)
+    pieces = [Piece(f, off, n) for off in (0, 1, 3, 8, 16, 4097) for n in (1, 8, 15, 17, 4096, 2**20 - 5)]
+    spans = [(s, max(0, p.size - s - e)) for p, (s, e) in zip(pieces, [(0, 0), (3, 1), (8, 0), (16, 5)] * 9)]
+    got = PinnedUpload(half_bytes=2**20).upload(pieces, lambda i, v: spans[i])
+    differ = sum(not np.array_equal(np.array(a), data[p.offset + s:p.offset + s + n])
+                 for p, a, (s, n) in zip(pieces, got, spans))
+    record("pinned_upload", pieces=len(pieces), differing=differ, **{"pass": differ == 0})
+    assert differ == 0

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 15's cells in one device call, on a machine where an earlier call unpacked MLX (and, for
+# `warm`, wrote the bench GGUF). PARTS (default "probe warm handoff"), in this order:
+#   probe    scripts/device/probe_upload.py: the page-locked staging's bytes and GB/s against
+#            mx.load; kvpack.restore at 2,048 / 32,768 / 65,536 positions each way ($OUT/probe-upload.json / .log)
+#   warm     tools/bench_serving.py's warm cells (WARM, default 2048,32768,65536; cold prefill up
+#            to 2,048) with the defaults, then at 65,536 with pinned_upload=0 ($OUT/warm.json,
+#            warm-mx.load.json / .log)
+#   handoff  tools/handoff.py: the book's delta and deep handoff cells at the pinned geometry
+#            ($OUT/handoff.json / .log)
+# Carry .device/revision.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source ~/.muse-device/env.sh || exit 1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" MUSE_GIT_REVISION="$(cat .device/revision)"
+PARTS=${PARTS:-"probe warm handoff"}
+G=/tmp/bench.gguf
+if [[ " $PARTS " == *" probe "* ]]; then
+  timeout 200 python3 scripts/device/probe_upload.py --receipt "$OUT/probe-upload.json" 2>&1 | tee "$OUT/probe-upload.log"
+fi
+if [[ " $PARTS " == *" warm "* ]]; then
+  [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
+  timeout 240 python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm "${WARM:-2048,32768,65536}" \
+    --cold-max 2048 --batch '' --receipt "$OUT/warm.json" 2>&1 | tee "$OUT/warm.log"
+  timeout 120 python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm 65536 --cold-max 0 --batch '' \
+    --kernel-config pinned_upload=0 --receipt "$OUT/warm-mx.load.json" 2>&1 | tee "$OUT/warm-mx.load.log"
+fi
+if [[ " $PARTS " == *" handoff "* ]]; then
+  timeout 150 python3 -m muse_mlx.tools.handoff --receipt "$OUT/handoff.json" 2>&1 | tee "$OUT/handoff.log"
+fi
+bash scripts/device/pack_out.sh
