@@ -14,6 +14,7 @@
 #              ab-small-{1,2}.json and ab-cw8-{1,2}.json. The base tree is always timed with its
 #              own defaults.
 #   PASSES     interleaved passes (default 2; each tree once a pass)
+#   NEW_CONFIG a --kernel-config string for this tree's own timings (e.g. pinned_upload=0)
 #   BENCH_ARGS the bench's arguments (default below: decode only, depths 0 and 32,768)
 #   GPU_TESTS, PYTEST_K, TEST_TIMEOUT: GPU checks of this tree after the timings
 #   LLAMA_BUILD=1 (carry .device/llama-src.tar.xz): build llama-bench in the background meanwhile,
@@ -40,7 +41,7 @@ run_bench() {  # TREE TAG [KERNEL_CONFIG]
     ${3:+--kernel-config "$3"} --receipt "$OUT/ab-$2.json") 2>&1 | grep -v "^$" | sed "s/^/[$2] /"
 }
 for round in $(seq 1 "${PASSES:-2}"); do
-  run_bench "$NEW" "new-$round"
+  run_bench "$NEW" "new-$round" "${NEW_CONFIG:-}"
   for v in ${VARIANTS:-}; do run_bench "$NEW" "${v%%:*}-$round" "${v#*:}"; done
   for base in .device/base .device/base-*; do
     [ -d "$base" ] && run_bench "$PWD/$base" "${base#.device/}-$round"
