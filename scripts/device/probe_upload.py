@@ -48,7 +48,7 @@ def bytes_cell(work: Path, gib: float) -> dict:
     data.tofile(f)
     up = PinnedUpload(half_bytes=2**20)
     pieces = [Piece(f, off, n) for off in (0, 1, 3, 8, 16, 4097) for n in (1, 7, 8, 15, 16, 17, 4096, 2**20 - 5)]
-    spans = [(s, max(0, p.size - s - e)) for p, (s, e) in zip(pieces, [(0, 0), (3, 1), (8, 0), (16, 5)] * 100)]
+    spans = [(min(s, p.size), max(0, p.size - s - e)) for p, (s, e) in zip(pieces, [(0, 0), (3, 1), (8, 0), (16, 5)] * 100)]
     got = up.upload(pieces, lambda i, v: spans[i])
     bad = [i for i, (p, a, (s, n)) in enumerate(zip(pieces, got, spans))
            if not np.array_equal(np.array(a), data[p.offset + s:p.offset + s + n])]

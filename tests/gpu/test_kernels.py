@@ -670,7 +670,7 @@ def test_pinned_upload_copies_every_byte(tmp_path):
     f = tmp_path / "bytes.bin"
     data.tofile(f)
     pieces = [Piece(f, off, n) for off in (0, 1, 3, 8, 16, 4097) for n in (1, 8, 15, 17, 4096, 2**20 - 5)]
-    spans = [(s, max(0, p.size - s - e)) for p, (s, e) in zip(pieces, [(0, 0), (3, 1), (8, 0), (16, 5)] * 9)]
+    spans = [(min(s, p.size), max(0, p.size - s - e)) for p, (s, e) in zip(pieces, [(0, 0), (3, 1), (8, 0), (16, 5)] * 9)]
     got = PinnedUpload(half_bytes=2**20).upload(pieces, lambda i, v: spans[i])
     differ = sum(not np.array_equal(np.array(a), data[p.offset + s:p.offset + s + n])
                  for p, a, (s, n) in zip(pieces, got, spans))
