@@ -27,7 +27,6 @@ from gguf import GGML_QUANT_SIZES
 
 from .artifact import F16_SCALES, NONFINITE_MASK, RawTensor
 from .errors import ArtifactError
-from .kernels.upload import Piece
 
 
 class TensorStream(io.RawIOBase):
@@ -98,15 +97,12 @@ def _pieces(r: RawTensor, piece_bytes: int | None) -> list[RawTensor]:
             for i in range(0, r.data.shape[0], rows)]
 
 
-def load_raw(raws: list[RawTensor], piece_bytes: int | None = None, upload=None) -> list[mx.array]:
+def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.array]:
     """Each raw tensor's (rows, row_bytes) uint8 bytes as an MLX array. Tensors mapped from a file go
-    through `upload` (a kernels.upload.PinnedUpload: page-locked staging, CUDA) when given, else
-    mx.load of a TensorStream over the file; others are copied. piece_bytes: read each tensor in
+    through mx.load of a TensorStream over it; others are copied. piece_bytes: read each tensor in
     row ranges of at most this many bytes, put together on the device (CUDA: MLX stages a load
     in a host buffer it allocates, and glibc maps a buffer over 32 MiB fresh each time; the H200's
     host read 16 MiB pieces at 3.2-3.6 GB/s against 1.1-1.2 GB/s whole, docs/ledger.md 2026-12-02)."""
-    if upload is not None:
-        return _upload_raw(raws, upload)
     out: list[mx.array | None] = [None] * len(raws)
     by_file: dict[Path, list[tuple[int, RawTensor]]] = {}
     for i, r in enumerate(raws):
@@ -128,30 +124,6 @@ def load_raw(raws: list[RawTensor], piece_bytes: int | None = None, upload=None)
             parts.setdefault(i, []).append(loaded[str(j)])
         for i, arrays in parts.items():
             out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
-    return out
-
-
-def _upload_raw(raws: list[RawTensor], upload) -> list[mx.array]:
-    """load_raw through a PinnedUpload: each tensor in row ranges of at most its half of the staging."""
-    out: list[mx.array | None] = [None] * len(raws)
-    pieces, owners = [], []
-    for i, r in enumerate(raws):
-        if r.path is None or r.offset is None:
-            out[i] = mx.array(np.ascontiguousarray(r.data))
-            continue
-        for part in _pieces(r, upload.half_bytes):
-            pieces.append(Piece(Path(part.path), part.offset, part.data.nbytes))
-            owners.append((i, part.data.shape))
-    try:
-        loaded = upload.upload(pieces)
-    except OSError as exc:   # the file cut since it was opened
-        raise ArtifactError(raws[0].path, f"cannot read its tensors any more (changed since it was opened?): "
-                            f"{exc}") from None
-    parts: dict[int, list[mx.array]] = {}
-    for (i, shape), a in zip(owners, loaded):
-        parts.setdefault(i, []).append(a.reshape(shape))
-    for i, arrays in parts.items():
-        out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
     return out
 
 

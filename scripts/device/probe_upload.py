@@ -2,8 +2,8 @@
 
 1. bytes: a file of random bytes (in the page cache) uploaded in pieces at odd offsets and spans
    (every alignment the copy kernel branches on), compared byte for byte; then --gib GiB of it
-   in 64 MiB pieces through the staging and through mx.load of a safetensors stream in 16 MiB
-   pieces (weight_stream.load_raw's two ways): GB/s each.
+   in 16 MiB pieces through the staging (8 to a half, so every reading thread has one) and
+   through mx.load of a safetensors stream (weight_stream.load_raw, the weights' way): GB/s each.
 2. restore: for each N in --positions, the pinned geometry's cache at context N + 1 holding N
    random positions (synthetic rows), saved as a pack, restored 1 + --reps times each way
    (kvpack.restore with upload = the staging, and with None: mx.load of each checked blob), the
@@ -59,10 +59,15 @@ def bytes_cell(work: Path, gib: float) -> dict:
     rows = 2**20
     raw = RawTensor("bytes", QT.I8, (rows, size // rows), data[:size // rows * rows].reshape(size // rows, rows),
                     f, 0)   # the file's bytes as a (size / 2^20, 2^20) tensor at offset 0
+    piece = 16 * 2**20      # 8 pieces to a half of the staging: all 8 threads read
+    pieces = [Piece(f, at, min(piece, raw.data.nbytes - at)) for at in range(0, raw.data.nbytes, piece)]
     for way in ("pinned", "mx.load", "pinned", "mx.load"):
         mx.clear_cache()
         t = time.perf_counter()
-        a = load_raw([raw], 16 * 2**20, pinned_upload() if way == "pinned" else None)[0]
+        if way == "pinned":
+            a = mx.concatenate(pinned_upload().upload(pieces)).reshape(raw.data.shape)
+        else:
+            a = load_raw([raw], piece)[0]
         mx.eval(a)
         dt = time.perf_counter() - t
         same = bool(mx.array_equal(a, mx.array(raw.data)).item()) if way == "pinned" else None
