@@ -126,3 +126,35 @@ def test_a_restore_through_the_upload_is_the_same_cache(model, f32_fixture, tmp_
     blob.write_bytes(bytes(data))
     with pytest.raises(PackError, match="does not hash to its name"):
         kvpack.restore(pack, g, fp, upload=up)
+
+
+def test_a_half_is_refilled_only_after_its_copies_were_waited_for(files, monkeypatch):
+    """The staging's protocol: a piece is read into bytes that no copy still in flight reads from.
+    The stand-in's copies count as in flight until the pipeline waits for them (mx.eval; an
+    async_eval is not a wait), and every read asserts it overlaps none of them."""
+    in_flight: dict[int, tuple[int, int]] = {}
+    real_eval = mx.eval
+
+    def waiting(*arrays):
+        flat = [a for x in arrays for a in (x if isinstance(x, (list, tuple)) else [x])]
+        for a in flat:
+            in_flight.pop(id(a), None)
+        return real_eval(*arrays)
+
+    class Watched(HostUpload):
+        def _copy(self, at, nbytes):
+            a = super()._copy(at, nbytes)
+            in_flight[id(a)] = (at, at + nbytes)
+            return a
+
+        def _read_checked(self, piece, index, at, check):
+            for lo, hi in list(in_flight.values()):
+                assert hi <= at or at + piece.size <= lo, "a read overwrote bytes a copy was still reading"
+            return super()._read_checked(piece, index, at, check)
+
+    monkeypatch.setattr(mx, "eval", waiting)
+    up = Watched(half_bytes=12000, threads=3)
+    pieces = [Piece(f, 0, f.stat().st_size) for f in files if f.stat().st_size <= 12000] * 4
+    got = up.upload(pieces)
+    assert [bytes(np.array(a)) for a in got] == [p.path.read_bytes() for p in pieces]
+    assert not in_flight   # every copy waited for before upload returned

@@ -152,30 +152,45 @@ class PinnedUpload:
         with self._lock:
             if self._staging is None:
                 self._staging = self._allocate(2 * self.half_bytes)
+            batches = self._batches(pieces)
             out: list[mx.array | None] = [None] * len(pieces)
-            pending: list[list[mx.array]] = [[], []]
+            pending: list[list[mx.array]] = [[], []]   # the copies out of each half, not yet waited for
             with ThreadPoolExecutor(max_workers=self.threads) as pool:
+
+                def submit(k: int) -> list:
+                    """Batch k's reads, once the copies out of its half (batch k - 2's) are done."""
+                    half, batch = batches[k]
+                    if pending[half]:
+                        mx.eval(pending[half])
+                        pending[half] = []
+                    return [pool.submit(self._read_checked, pieces[j], j, at, check) for j, at in batch]
                 try:
-                    half, i = 0, 0
-                    while i < len(pieces):
-                        batch, used = [], 0
-                        while i < len(pieces) and used + pieces[i].size <= self.half_bytes:
-                            batch.append((i, half * self.half_bytes + used))
-                            used += -(-pieces[i].size // ALIGN) * ALIGN
-                            i += 1
-                        if pending[half]:      # the copies out of this half, done before it is refilled
-                            mx.eval(pending[half])
-                            pending[half] = []
-                        futures = [pool.submit(self._read_checked, pieces[j], j, at, check) for j, at in batch]
+                    futures = submit(0) if batches else []
+                    for k, (half, batch) in enumerate(batches):
+                        following = submit(k + 1) if k + 1 < len(batches) else []   # read while these copy
                         for (j, at), future in zip(batch, futures):
                             start, nbytes = future.result()
                             out[j] = self._copy(at + start, nbytes)
                             pending[half].append(out[j])
                             mx.async_eval(out[j])
-                        half ^= 1
+                        futures = following
                 finally:
                     mx.eval(pending[0] + pending[1])
         return out
+
+    def _batches(self, pieces: list[Piece]) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The pieces in consecutive batches that fill the halves in turn: (half, [(piece index,
+        its byte offset in the staging)])."""
+        batches, half, i = [], 0, 0
+        while i < len(pieces):
+            batch, used = [], 0
+            while i < len(pieces) and used + pieces[i].size <= self.half_bytes:
+                batch.append((i, half * self.half_bytes + used))
+                used += -(-pieces[i].size // ALIGN) * ALIGN
+                i += 1
+            batches.append((half, batch))
+            half ^= 1
+        return batches
 
     def _allocate(self, nbytes: int) -> Staging:
         return Staging(nbytes)
