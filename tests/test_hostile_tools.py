@@ -529,10 +529,23 @@ def test_bench_combine_still_works(tmp_path, capsys):
     (["--matvec-rows", "2", "--reference"], "the MLX-ops backend (--reference) has none"),
     (["--scheduler", "5"], "--scheduler values must be 1..4"),
     (["--scheduler", "2", "--sched-tokens", "0"], "--sched-tokens >= 1"),
+    (["--cold-reps", "0"], "--cold-reps must be >= 1"),
 ])
 def test_bench_serving_matvec_flags(argv, says, capsys):
     line = refused(bench_serving.main, ["--model", "/nonexistent/model.gguf", *argv], capsys)
     assert says in line, line
+
+
+def test_bench_serving_warm_cell_on_the_cpu(f32_fixture, tmp_path):
+    """The warm cell end to end on the reference backend (a smoke run: the numbers mean nothing on
+    the CPU), past one prefill chunk so that a checkpoint is restored, with one cold prefill."""
+    out = tmp_path / "warm.json"
+    assert bench_serving.main(["--model", str(f32_fixture), "--reference", "--warm", "530", "--cold-max", "530",
+                               "--cold-reps", "1", "--batch", "", "--workdir", str(tmp_path / "w"),
+                               "--receipt", str(out)]) == 0
+    cell = json.loads(out.read_text())["metrics"]["warm"][0]
+    assert cell["checkpoint"] == 512 and cell["prefilled_after_restore"] == 18
+    assert len(cell["cold_ttft_s"]["samples"]) == 1 and cell["repeat_ttft_s"]["mean"] > 0
 
 
 def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, capsys):

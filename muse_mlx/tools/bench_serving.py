@@ -24,7 +24,7 @@ The K/V rows are random f16 (SlotCache.fill_random): timing depends on sizes, no
 numbers are as synthetic as the GGUF they run on.
 
     python -m muse_mlx.tools.bench_serving --model X.gguf [--warm 2048,32768,65536] [--cold-max 2048]
-        [--batch 1,2,3,4] [--depth 0] [--decode-tokens 48] [--workdir DIR] [--receipt OUT.json]
+        [--cold-reps 2] [--batch 1,2,3,4] [--depth 0] [--decode-tokens 48] [--workdir DIR] [--receipt OUT.json]
         [--kernel-config stream_batch=0,...] [--matvec-rows 1,2,3,4 --matvec-configs "tag:cfg;tag:cfg"]
         [--scheduler 1,2,3,4 --sched-prompt 512 --sched-tokens 128]
 """
@@ -85,7 +85,7 @@ def disk_rates(folder: Path, nbytes: int) -> dict:
             "host_copy_gbps": nbytes / copy_s / 1e9}
 
 
-def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path) -> dict:
+def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path, cold_reps: int = 2) -> dict:
     from .. import kvpack
 
     g = model.geometry
@@ -146,8 +146,9 @@ def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path) -> 
             t0 = time.perf_counter()
             mx.eval(mx.argmax(model.prefill(tokens, c)))
             return time.perf_counter() - t0
-        cold_once()
-        out["cold_ttft_s"] = _stats([cold_once() for _ in range(2)])
+        if length <= 4 * PREFILL_CHUNK:   # a short prompt's first run warms; a long one's chunks were traced before
+            cold_once()
+        out["cold_ttft_s"] = _stats([cold_once() for _ in range(cold_reps)])
     shutil.rmtree(pack_dir)
     return out
 
@@ -278,6 +279,7 @@ def _command(argv=None) -> int:
     p.add_argument("--model", required=True, help="a muse-glimmer GGUF")
     p.add_argument("--warm", default="2048,32768,65536", help="prompt lengths of the warm cells ('' for none)")
     p.add_argument("--cold-max", type=int, default=2048, help="also time the cold prefill up to this length")
+    p.add_argument("--cold-reps", type=int, default=2, help="timed cold prefills a length (>= 1)")
     p.add_argument("--batch", default="1,2,3,4", help="slot counts of the packed-step cells ('' for none)")
     p.add_argument("--depth", type=int, default=0, help="K/V depth of each sequence in the batch cells")
     p.add_argument("--scheduler", default="", help="slot counts of the engine-loop cells (slots.Scheduler: N "
@@ -302,8 +304,8 @@ def _command(argv=None) -> int:
                         "--sched-tokens >= 1")
     matvec_rows = ints(args.matvec_rows, "--matvec-rows")
     matvec_configs = KernelConfig.parse_tagged(args.matvec_configs, "--matvec-configs")
-    if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1:
-        raise MuseError("--warm and --batch values and --decode-tokens must be >= 1, --depth >= 0")
+    if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1 or args.cold_reps < 1:
+        raise MuseError("--warm and --batch values, --decode-tokens and --cold-reps must be >= 1, --depth >= 0")
     if any(not 1 <= v <= 8 for v in matvec_rows):
         raise MuseError(f"--matvec-rows values must be 1..8, got {args.matvec_rows!r}")
     if matvec_rows and args.reference:
@@ -325,7 +327,7 @@ def _command(argv=None) -> int:
             mx.eval(model.prefill(list(range(PREFILL_CHUNK)), scratch))
             del scratch
         for length in warm:
-            cell = warm_cell(model, model_id, length, length <= args.cold_max, work)
+            cell = warm_cell(model, model_id, length, length <= args.cold_max, work, args.cold_reps)
             metrics["warm"].append(cell)
             cold = f", cold {cell['cold_ttft_s']['mean']:.3f} s" if "cold_ttft_s" in cell else ""
             print(f"warm {length:>6}: first token {cell['warm_ttft_s']['mean']:.3f} s (restore "

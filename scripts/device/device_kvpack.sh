@@ -3,9 +3,10 @@
 # `warm`, wrote the bench GGUF). PARTS (default "probe warm handoff"), in this order:
 #   probe    scripts/device/probe_upload.py: the page-locked staging's bytes and GB/s against
 #            mx.load; kvpack.restore at 2,048 / 32,768 / 65,536 positions each way ($OUT/probe-upload.json / .log)
-#   warm     tools/bench_serving.py's warm cells (WARM, default 2048,32768,65536; cold prefill up
-#            to 2,048) with the defaults, then at 65,536 with pinned_upload=0 ($OUT/warm.json,
-#            warm-mx.load.json / .log)
+#   warm     tools/bench_serving.py's warm cells (WARM, default 2048,32768,65536; the cold prefill
+#            up to COLD_MAX, default 2,048, COLD_REPS times, default 2: COLD_MAX=65536 COLD_REPS=1
+#            WARM_TIMEOUT=400 times every cold prefill once) with the defaults, then at 65,536
+#            with pinned_upload=0 ($OUT/warm.json, warm-mx.load.json / .log)
 #   handoff  tools/handoff.py: the book's delta and deep handoff cells at the pinned geometry
 #            ($OUT/handoff.json / .log)
 # Carry .device/revision.
@@ -20,8 +21,9 @@ if [[ " $PARTS " == *" probe "* ]]; then
 fi
 if [[ " $PARTS " == *" warm "* ]]; then
   [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
-  timeout 240 python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm "${WARM:-2048,32768,65536}" \
-    --cold-max 2048 --batch '' --receipt "$OUT/warm.json" 2>&1 | tee "$OUT/warm.log"
+  timeout ${WARM_TIMEOUT:-240} python3 -m muse_mlx.tools.bench_serving --model $G --synthetic \
+    --warm "${WARM:-2048,32768,65536}" --cold-max ${COLD_MAX:-2048} --cold-reps ${COLD_REPS:-2} --batch '' \
+    --receipt "$OUT/warm.json" 2>&1 | tee "$OUT/warm.log"
   timeout 120 python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm 65536 --cold-max 0 --batch '' \
     --kernel-config pinned_upload=0 --receipt "$OUT/warm-mx.load.json" 2>&1 | tee "$OUT/warm-mx.load.log"
 fi
