@@ -285,10 +285,30 @@ def test_fuzzed_packs_are_refused_or_restore_exactly(pack, model, model_id, tmp_
     assert outcomes["refused"] >= 50, outcomes
 
 
+def _pieces_digest(data: bytes, piece: int) -> str:
+    """The fingerprint's definition, computed here from the bytes alone (the test's oracle)."""
+    parts = [data[i:i + piece] for i in range(0, len(data), piece)] or [b""]
+    return hashlib.sha256(len(data).to_bytes(8, "little") + b"".join(hashlib.sha256(p).digest()
+                                                                    for p in parts)).hexdigest()
+
+
+@pytest.mark.parametrize("piece, threads", [(1000, 1), (1000, 3), (4096, 8), (kvpack.FINGERPRINT_PIECE, 2)])
+def test_the_file_digest_is_its_definition(f32_fixture, tmp_path, piece, threads):
+    """Pieces hashed on threads, joined in order, whatever the thread count; a file that is an
+    exact number of pieces, one that is not, and an empty file."""
+    data = f32_fixture.read_bytes()
+    exact = tmp_path / "exact.bin"
+    exact.write_bytes(data[:3 * piece] if len(data) >= 3 * piece else data)
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    for f in (f32_fixture, exact, empty):
+        assert kvpack.file_digest(f, piece, threads) == _pieces_digest(f.read_bytes(), piece), f.name
+
+
 def test_the_fingerprint_is_the_file_and_is_cached(f32_fixture, tmp_path):
     cache_dir = tmp_path / "fp"
     fp = kvpack.fingerprint(f32_fixture, cache_dir)
-    assert fp == "sha256:" + hashlib.sha256(f32_fixture.read_bytes()).hexdigest()
+    assert fp == "sha256/64MiB:" + _pieces_digest(f32_fixture.read_bytes(), 64 * 2**20)
     assert json.loads((cache_dir / "fingerprints.json").read_text())
     changed = tmp_path / "changed.gguf"
     data = bytearray(f32_fixture.read_bytes())
