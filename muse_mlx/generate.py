@@ -21,7 +21,7 @@ from .cli import Parser
 from .config import KernelConfig
 from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
-from .sampling import Sampler, SamplerSettings
+from .sampling import Sampler, SamplerSettings, all_finite
 
 DEFAULT_PROMPT = "A list is"
 
@@ -48,12 +48,12 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
     includes a stop token (that step was already under way when the stop was read), but not
     the last token when max_tokens or the context ends the run."""
     position = cache.offset - 1
-    token, finite = sampler.token(logits), mx.all(mx.isfinite(logits))
+    token, finite = sampler.token(logits), all_finite(logits)
     for i in range(max_tokens):
         following = None
         if i + 1 < max_tokens and cache.room > 0:
             step_logits = model.step(token, cache)
-            following = (sampler.token(step_logits), mx.all(mx.isfinite(step_logits)))
+            following = (sampler.token(step_logits), all_finite(step_logits))
             mx.async_eval(*following)
         if not finite.item():
             raise NonFiniteError(position)

@@ -75,6 +75,14 @@ class Sampler:
         return int(self.token(logits).item())
 
 
+def all_finite(logits: mx.array) -> mx.array:
+    """Whether every logit is finite, as a lazy bool scalar: sum(x * 0) == 0, since NaN * 0 and
+    ±inf * 0 are NaN and a NaN sum equals nothing (IEEE arithmetic alone; no reliance on how a
+    reduction treats NaN). Five graph nodes where mx.all(mx.isfinite(x)) makes ten; the decode
+    loops build it once a token, and MLX's host time is per node (docs/ledger.md, 2026-12-02)."""
+    return mx.sum(logits * 0.0) == 0.0
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """log p over the last axis, in float64 (the one home for it outside the test oracle)."""
     z = np.asarray(logits, dtype=np.float64)

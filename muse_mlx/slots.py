@@ -32,7 +32,7 @@ import numpy as np
 from .errors import MuseError, NonFiniteError
 from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
-from .sampling import Sampler, SamplerSettings
+from .sampling import Sampler, SamplerSettings, all_finite
 
 
 class QueueFull(MuseError):
@@ -283,7 +283,7 @@ class Scheduler:
     def _picks(slot: Slot) -> tuple:
         """The next token of `slot` from its logits, lazily: (token, all finite, log-probs or None)."""
         token = slot.sampler.token(slot.logits)
-        finite = mx.all(mx.isfinite(slot.logits))
+        finite = all_finite(slot.logits)
         lp = slot.logits - mx.logsumexp(slot.logits, keepdims=True) if slot.request.logprobs is not None else None
         return token, finite, lp
 
