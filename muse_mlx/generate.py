@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -69,7 +70,7 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
 @dataclass
 class Stats:
     load_seconds: float = 0.0
-    load_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)   # the file opened and checked, weights, tokenizer
+    load_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)   # the file opened and checked, weights, tokenizer wait
     prompt_tokens: int = 0
     reused_tokens: int = 0
     prompt_seconds: float = 0.0
@@ -86,7 +87,7 @@ class Stats:
         fed = self.prompt_tokens - self.reused_tokens
         return [
             f"load: {self.load_seconds:.2f} s (file opened and checked {self.load_parts[0]:.2f} s, weights "
-            f"{self.load_parts[1]:.2f} s, tokenizer {self.load_parts[2]:.2f} s)",
+            f"{self.load_parts[1]:.2f} s, tokenizer built meanwhile, then waited for {self.load_parts[2]:.2f} s)",
             f"prompt: {self.prompt_tokens} tokens ({self.reused_tokens} reused), {fed} in {self.prompt_seconds:.3f} s, "
             f"{rate(fed, self.prompt_seconds)}; first token {self.first_token_seconds:.3f} s after the prompt arrived",
             f"generation: {self.generated_tokens} tokens, {rate(self.generated_tokens, self.generation_seconds)}"
@@ -169,14 +170,17 @@ def run(argv: list[str] | None = None) -> int:
 
     t_load = time.perf_counter()
     model_path = args.model if args.model is not None else default_model_path()
-    model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
-                 progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache)
-    t_tokenizer = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1) as pool:   # the tokenizer is built while the weights load
+        building = []
+        model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
+                     progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache,
+                     on_open=lambda artifact: building.append(pool.submit(MuseTokenizer, artifact.vocabulary)))
+        t_tokenizer = time.perf_counter()
+        tokenizer = building[0].result() if building else MuseTokenizer(model.artifact.vocabulary)
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:
         raise MuseError(f"--max-context {context} exceeds the model's context length {g.context_length}")
-    tokenizer = MuseTokenizer(model.artifact.vocabulary)
     opened = getattr(model, "open_seconds", 0.0)
     load_parts = (opened, t_tokenizer - t_load - opened, time.perf_counter() - t_tokenizer)
 

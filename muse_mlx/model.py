@@ -165,6 +165,7 @@ class Model(nn.Module):
         super().__init__()
         self.artifact = artifact
         self._ops = ops = ops if ops is not None else select_ops("auto")
+        self._flags: list[mx.array] = []   # the loaded matrices' non-finite flags, checked once all are loaded
         g = self.geometry = artifact.geometry
         t = artifact.tensors
         self.embed = Embedding(t["token_embd.weight"], ops)
@@ -184,14 +185,21 @@ class Model(nn.Module):
         artifact.release([t["output.weight"]])
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
         self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
-        mx.eval(self.parameters())
+        mx.eval(self.parameters(), self._flags)
+        self._check_flags()
 
     def _loaded(self, parameters) -> None:
-        """Evaluate newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,
-        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are). A set flag
-        means a bad matrix: the artifact's host scan then names the first, in the file's order."""
+        """Schedule newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,
+        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are), not waiting
+        for them: the next layer's bytes are read while these are copied and checked."""
         flags, self._ops.weight_flags = self._ops.weight_flags, []
-        mx.eval(parameters, flags)
+        mx.async_eval(parameters, flags)
+        self._flags = self._flags + flags
+
+    def _check_flags(self) -> None:
+        """A set flag means a bad matrix: the artifact's host scan then names the first, in the file's
+        order."""
+        flags, self._flags = self._flags, []
         if any(bool(f.item()) for f in flags):
             a = self.artifact
             check_matrix_weights(a.path, a.tensors, {name: r.offset for name, r in a.tensors.items()})
@@ -316,9 +324,10 @@ class Model(nn.Module):
 
 
 def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig(), progress=None,
-         kernel_cache: bool = True) -> Model:
+         kernel_cache: bool = True, on_open=None) -> Model:
     """Open, validate and load a GGUF; backend 'auto', 'gpu' or 'reference', kernel_cache as
-    ops.select_ops takes them."""
+    ops.select_ops takes them. on_open: called with the opened Artifact before the weights load
+    (generate builds the tokenizer from its vocabulary meanwhile)."""
     import time
 
     from .artifact import open_artifact
@@ -326,6 +335,8 @@ def load(path, backend: str = "auto", kernel_config: KernelConfig = KernelConfig
     t = time.perf_counter()
     artifact = open_artifact(path, check_weights=False)   # the matrices are checked as they load (Model._loaded)
     opened = time.perf_counter() - t
+    if on_open is not None:
+        on_open(artifact)
     model = Model(artifact, select_ops(backend, kernel_config, kernel_cache), progress)
     model.open_seconds = opened   # the file opened and checked (generate's load line)
     return model

@@ -269,8 +269,9 @@ def test_a_missing_default_model_is_one_line(monkeypatch, capsys):
 
 
 def test_the_load_line_splits_the_load(capsys):
-    """stderr's load line: the total, then the file opened and checked, the weights, the tokenizer
-    (where a cold start's seconds go), parts that add up to no more than the total."""
+    """stderr's load line: the total, then the file opened and checked, the weights, the wait for
+    the tokenizer built meanwhile (where a cold start's seconds go), parts that add up to no more
+    than the total."""
     import re
 
     from muse_mlx import generate
@@ -278,7 +279,7 @@ def test_the_load_line_splits_the_load(capsys):
     assert generate.main(["--max-tokens", "1"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("load:"))
     m = re.fullmatch(r"load: ([\d.]+) s \(file opened and checked ([\d.]+) s, weights ([\d.]+) s, "
-                     r"tokenizer ([\d.]+) s\)", line)
+                     r"tokenizer built meanwhile, then waited for ([\d.]+) s\)", line)
     assert m, line
     total, *parts = map(float, m.groups())
     assert sum(parts) <= total + 0.02

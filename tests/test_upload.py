@@ -155,6 +155,67 @@ def test_a_half_is_refilled_only_after_its_copies_were_waited_for(files, monkeyp
     monkeypatch.setattr(mx, "eval", waiting)
     up = Watched(half_bytes=12000, threads=3)
     pieces = [Piece(f, 0, f.stat().st_size) for f in files if f.stat().st_size <= 12000] * 4
-    got = up.upload(pieces)
-    assert [bytes(np.array(a)) for a in got] == [p.path.read_bytes() for p in pieces]
-    assert not in_flight   # every copy waited for before upload returned
+    first = up.upload(pieces)
+    assert in_flight   # a call returns with its last copies in flight ...
+    second = up.upload(pieces[::-1])   # ... and the next call refills a half only once they are done
+    assert [bytes(np.array(a)) for a in first + second] == [p.path.read_bytes() for p in pieces + pieces[::-1]]
+    up.wait()
+    assert not in_flight
+
+
+
+def _staged_ops(up: PinnedUpload, piece_bytes: int):
+    """The MLX-ops backend with the weights through the staging pipeline (here HostUpload), the way
+    GpuOps loads them on CUDA with pinned_upload = 1."""
+    from muse_mlx.ops.reference import ReferenceOps
+    from muse_mlx.weight_stream import upload_raw
+
+    class Staged(ReferenceOps):
+        def _raw_arrays(self, raws):
+            return upload_raw(raws, up, piece_bytes)
+    return Staged()
+
+
+@pytest.mark.parametrize("gguf", ["f32", "tiny-q8_0"])
+def test_weights_through_the_staging_are_the_files_bytes(f32_fixture, gguf):
+    """Every parameter of a model loaded through the staging (4 KiB pieces, many halves a layer, one
+    layer's copies in flight while the next is read) equals the mx.load path's, and so do the logits."""
+    from importlib import resources
+
+    from mlx.utils import tree_flatten
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.model import Model
+    from muse_mlx.ops.reference import ReferenceOps
+
+    path = f32_fixture if gguf == "f32" else resources.files("muse_mlx").joinpath("data/muse-glimmer-tiny-q8_0.gguf")
+    up = HostUpload(half_bytes=64 * 1024, threads=3)
+    staged = Model(open_artifact(path), ops=_staged_ops(up, 4096))
+    plain = Model(open_artifact(path), ops=ReferenceOps())
+    assert len(up.copies) > 100
+    a, b = dict(tree_flatten(staged.parameters())), dict(tree_flatten(plain.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array(a[k]).tobytes() == np.array(b[k]).tobytes(), k
+    ids = mx.array([[1, 5, 9, 200, 7]])
+    x = staged(ids, [staged.make_cache(16)])
+    y = plain(ids, [plain.make_cache(16)])
+    assert np.array(x).tobytes() == np.array(y).tobytes()
+
+
+def test_a_bad_matrix_through_the_staging_is_named(tmp_path):
+    """The flags are checked once every layer is loaded (no layer waits for its copies): a NaN
+    block scale in a middle layer is still refused, the host scan naming the matrix."""
+    from mutate import set_tensor_values
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.errors import ArtifactError
+    from muse_mlx.model import Model
+    from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
+
+    good = write_random_blocks(tmp_path / "q4_k_m.gguf", DEFAULT_GEOMETRY, kquant_mix(DEFAULT_GEOMETRY))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(set_tensor_values(good.read_bytes(), "blk.3.ffn_down.weight", 7, float("nan")))
+    Model(open_artifact(good, check_weights=False), ops=_staged_ops(HostUpload(half_bytes=64 * 1024), 8192))
+    with pytest.raises(ArtifactError, match="'blk.3.ffn_down.weight' row"):
+        Model(open_artifact(bad, check_weights=False), ops=_staged_ops(HostUpload(half_bytes=64 * 1024), 8192))
