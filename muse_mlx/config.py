@@ -33,10 +33,9 @@ class KernelConfig:
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
         multiplied in float32, the exactness lane for parity runs.
-    pinned_upload: how the weights and kvpack's restores reach a CUDA device: 1 = read in pieces
-        into page-locked staging (a restore's blobs checked there) and copied by a kernel
-        (kernels/upload.py); 0 = mx.load (a blob read into host memory and checked first). Metal
-        and the CPU share memory: unused there.
+    pinned_upload: how kvpack's restores reach a CUDA device: 1 = each blob read into page-locked
+        staging, checked there and copied by a kernel (kernels/upload.py); 0 = read into host
+        memory, checked, and loaded by mx.load. Metal and the CPU share memory: unused there.
     """
 
     ring_chunk: int = 32

@@ -165,7 +165,6 @@ class Model(nn.Module):
         super().__init__()
         self.artifact = artifact
         self._ops = ops = ops if ops is not None else select_ops("auto")
-        self._flags: list[mx.array] = []   # the loaded matrices' non-finite flags, checked once all are loaded
         g = self.geometry = artifact.geometry
         t = artifact.tensors
         self.embed = Embedding(t["token_embd.weight"], ops)
@@ -185,21 +184,14 @@ class Model(nn.Module):
         artifact.release([t["output.weight"]])
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
         self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
-        mx.eval(self.parameters(), self._flags)
-        self._check_flags()
+        mx.eval(self.parameters())
 
     def _loaded(self, parameters) -> None:
-        """Schedule newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,
-        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are), not waiting
-        for them: the next layer's bytes are read while these are copied and checked."""
+        """Evaluate newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,
+        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are). A set flag
+        means a bad matrix: the artifact's host scan then names the first, in the file's order."""
         flags, self._ops.weight_flags = self._ops.weight_flags, []
-        mx.async_eval(parameters, flags)
-        self._flags = self._flags + flags
-
-    def _check_flags(self) -> None:
-        """A set flag means a bad matrix: the artifact's host scan then names the first, in the file's
-        order."""
-        flags, self._flags = self._flags, []
+        mx.eval(parameters, flags)
         if any(bool(f.item()) for f in flags):
             a = self.artifact
             check_matrix_weights(a.path, a.tensors, {name: r.offset for name, r in a.tensors.items()})

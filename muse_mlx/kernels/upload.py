@@ -14,9 +14,7 @@ what the GPU copies: the staging is not written again until the copies out of it
 evaluated.
 
 The staging is one buffer per process, allocated at its first use and kept, used in two halves:
-the threads fill one while the copies out of the other run. Which half is next and which copies
-out of each are not yet waited for outlive a call: a call returns its arrays with their copies
-in flight (scheduled with mx.async_eval), and the next call waits only for the half it refills. On Apple silicon MLX's arrays live in
+the threads fill one while the copies out of the other run. On Apple silicon MLX's arrays live in
 memory the host and the GPU share, so there is nothing to stage (no Metal twin).
 """
 
@@ -142,14 +140,11 @@ class PinnedUpload:
         self.half_bytes, self.threads = half_bytes, threads
         self._staging: Staging | None = None
         self._lock = threading.Lock()
-        self._pending: list[list[mx.array]] = [[], []]   # the copies out of each half, not yet waited for
-        self._half = 0                                   # the half the next call fills first
 
     def upload(self, pieces: list[Piece], check: Check | None = None) -> list[mx.array]:
         """Each piece's bytes (or the span `check` returns of them) as a uint8 MLX array in device
-        memory, its copy scheduled (mx.async_eval; a use of the array waits for it). A piece is at
-        most `half_bytes`. When a read fails or a check refuses, that error is raised after every
-        copy already started has finished."""
+        memory, evaluated. A piece is at most `half_bytes`. When a read fails or a check refuses,
+        that error is raised after the copies already started have finished."""
         for p in pieces:
             if p.size > self.half_bytes:
                 raise ValueError(f"a piece of {p.size:,} bytes is larger than the staging's half ({self.half_bytes:,})")
@@ -157,13 +152,13 @@ class PinnedUpload:
         with self._lock:
             if self._staging is None:
                 self._staging = self._allocate(2 * self.half_bytes)
-            batches = self._batches(pieces, self._half)
+            batches = self._batches(pieces)
             out: list[mx.array | None] = [None] * len(pieces)
-            pending = self._pending
+            pending: list[list[mx.array]] = [[], []]   # the copies out of each half, not yet waited for
             with ThreadPoolExecutor(max_workers=self.threads) as pool:
 
                 def submit(k: int) -> list:
-                    """Batch k's reads, once the copies out of its half are done."""
+                    """Batch k's reads, once the copies out of its half (batch k - 2's) are done."""
                     half, batch = batches[k]
                     if pending[half]:
                         mx.eval(pending[half])
@@ -179,25 +174,14 @@ class PinnedUpload:
                             pending[half].append(out[j])
                             mx.async_eval(out[j])
                         futures = following
-                        self._half = half ^ 1
-                except BaseException:   # the reads not started are dropped; the pool waits for the rest
-                    for f in futures:
-                        f.cancel()
+                finally:
                     mx.eval(pending[0] + pending[1])
-                    self._pending = [[], []]
-                    raise
         return out
 
-    def wait(self) -> None:
-        """Wait for every copy out of the staging started so far."""
-        with self._lock:
-            mx.eval(self._pending[0] + self._pending[1])
-            self._pending = [[], []]
-
-    def _batches(self, pieces: list[Piece], half: int = 0) -> list[tuple[int, list[tuple[int, int]]]]:
-        """The pieces in consecutive batches that fill the halves in turn from `half`: (half,
-        [(piece index, its byte offset in the staging)])."""
-        batches, i = [], 0
+    def _batches(self, pieces: list[Piece]) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The pieces in consecutive batches that fill the halves in turn: (half, [(piece index,
+        its byte offset in the staging)])."""
+        batches, half, i = [], 0, 0
         while i < len(pieces):
             batch, used = [], 0
             while i < len(pieces) and used + pieces[i].size <= self.half_bytes:

@@ -140,7 +140,7 @@ class ChunkStep:
 class ReferenceOps:
     name = "reference"
     raw_piece_bytes: int | None = None   # weight_stream.load_raw's piece size (None: whole tensors)
-    upload = None                        # how weights and kvpack's restores reach the device (None: mx.load)
+    upload = None                        # how kvpack's restores reach the device (None: mx.load)
 
     def __init__(self):
         self.weight_flags: list[mx.array] = []   # of the matrices loaded since Model last checked them
@@ -148,15 +148,12 @@ class ReferenceOps:
     def load_raw(self, raws: list[RawTensor]) -> list[mx.array]:
         """Each raw tensor's (rows, row_bytes) uint8 bytes on the device (weight_stream.load_raw); for
         each matrix, its weight_stream.nonfinite_flag is added to `weight_flags` (Model checks them)."""
-        arrays = self._raw_arrays(raws)
+        arrays = load_raw(raws, self.raw_piece_bytes)
         for r, a in zip(raws, arrays):
             flag = nonfinite_flag(r, a) if len(r.shape) == 2 else None
             if flag is not None:
                 self.weight_flags.append(flag)
         return arrays
-
-    def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
-        return load_raw(raws, self.raw_piece_bytes)
 
     def stack_raw(self, raws: list[RawTensor]) -> mx.array:
         """The raw rows of several matrices of one type and row length, one after another."""
