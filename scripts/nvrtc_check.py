@@ -9,6 +9,9 @@ NVRTC flags, printing registers-free diagnostics. Needs:
   MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel
   MUSE_NVRTC_MLX_INCLUDE  a folder holding mlx/backend/cuda/device/{utils.cuh,complex.cuh,config.h}
   CUDA include folders (default /usr/local/cuda/include and /usr/local/cuda/include/cccl)
+Or, without NVRTC, with CUDA's compiler driver (its ptxas; registers and spills always printed):
+  MUSE_NVCC        path to nvcc (13.0); the header's functions are marked __device__, which
+                   NVRTC's --device-as-default-execution-space does for MLX
 Usage: python scripts/nvrtc_check.py (with the package installed: pip install -e .)
 """
 
@@ -16,12 +19,34 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 from muse_mlx.kernels.source import KERNELS, render
 
 CUDA_T = {"uint8": "uint8_t", "uint64": "uint64_t", "int32": "int32_t", "float16": "__half", "bfloat16": "__nv_bfloat16",
           "float32": "float"}
+
+
+def stream_cases() -> list:
+    """The streaming matvecs as kernels/plan.py launches them on an H200 (132 multiprocessors): the
+    pinned shapes (and K = 256) at B = 1..4 rows of x; the FFN down product's silu form."""
+    from gguf import GGMLQuantizationType as QT
+
+    from muse_mlx.config import KernelConfig
+    from muse_mlx.kernels import Device, plan
+
+    h200, out = Device("cuda", 132), []
+    for qtype in (QT.Q4_K, QT.Q6_K):
+        for K, N, act in ((256, 4096, ""), (4096, 6656, ""), (6656, 8448, ""), (6656, 256, ""), (19968, 6656, "_silu")):
+            for B in (1, 2, 3, 4):
+                name, launch = plan.stream_launch(qtype, K, N, act, K if act else 0, h200, KernelConfig(), B,
+                                                  2 * K if act else K)
+                out.append((name, ["uint8", "float32"] + (["float32"] if act else []), ["float32"], launch["template"]))
+    return out
+
 
 # (kernel, input dtypes, output dtypes, template) to instantiate; every kernel of KERNELS needs
 # at least one (main() counts a kernel without one as a failure).
@@ -31,15 +56,7 @@ CASES = [
       for b in (1, 8)],
     *[("matvec_float", [wt, "float32"], ["float32"], [("K", 256), ("N", 512), ("B", 2), ("RPT", 4), ("WT", wt)])
       for wt in ("float32", "float16", "bfloat16")],
-    *[(f"matvec_stream{where}_{v}", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("B", b), ("XS", k), ("TPG", -(-k // 64 // 32) * 32), ("R", 8), ("RF", rf),
-        ("RB", k // 256 * rb)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210)) for k in (256, 4096, 6656, 19968) for rf in (1, 2, 4)
-      for where, b in (("", 1), ("_shared", 2), ("_shared", 4))],
-    *[(f"matvec_stream{where}_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
-       [("K", 19968), ("N", 6656), ("B", b), ("XS", 39936), ("TPG", 320), ("R", 8), ("RF", 2), ("RB", 78 * rb),
-        ("UP_OFF", 19968)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
+    *stream_cases(),
     *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])
       for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],
@@ -68,8 +85,24 @@ def wrap(name: str, header: str, source: str, inputs, in_types, outputs, out_typ
     return s + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
 
 
+def nvcc(path: str, text: str, includes: list[str]) -> tuple[int, str]:
+    """(return code, ptxas's report) of one wrapped kernel compiled by nvcc for sm_90a."""
+    text = re.sub(r"\binline ", "__device__ inline ", text)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.cu")
+        with open(src, "w") as fh:
+            fh.write(text)
+        r = subprocess.run([path, "-arch=sm_90a", "-cubin", "-Xptxas", "-v", *[f"-I{p}" for p in includes], "-o",
+                            os.path.join(d, "k.cubin"), src], capture_output=True, text=True)
+    report = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores", r.stderr))
+    return r.returncode, report if r.returncode == 0 else r.stderr
+
+
 def main() -> int:
-    lib = ctypes.CDLL(os.environ["MUSE_NVRTC_LIB"])
+    if os.environ.get("MUSE_NVCC"):
+        lib = None
+    else:
+        lib = ctypes.CDLL(os.environ["MUSE_NVRTC_LIB"])
     includes = [os.environ["MUSE_NVRTC_MLX_INCLUDE"], "/usr/local/cuda/include/cccl", "/usr/local/cuda/include"]
     failures = 0
     uncovered = sorted(set(KERNELS) - {case[0] for case in CASES})
@@ -87,6 +120,11 @@ def main() -> int:
             header, source = render(family, parts, "cuda")
         fn = f"custom_kernel_muse_{kname}"
         text = wrap(fn, header, source, inputs, in_types, outputs, out_types, template)
+        if lib is None:
+            rc, report = nvcc(os.environ["MUSE_NVCC"], text, includes)
+            print(f"{kname:20s} {dict(template)}: {'ok' if rc == 0 else 'FAILED'} {report[:2000]}")
+            failures += rc != 0
+            continue
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), f"{fn}.cu".encode(), 0, None, None)
         opts = [b"--device-as-default-execution-space", b"--gpu-architecture=sm_90a"] + \
