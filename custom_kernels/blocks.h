@@ -1,6 +1,5 @@
 // GGUF block decoding shared by the kernels (ggml-common.h layouts). Header text, after the dialect map.
 #define LOAD_U4(p) (*((GLOBAL_CONST(uint4)*)(p)))
-#define LOAD_U2(p) (*((GLOBAL_CONST(uint2)*)(p)))
 #define LOAD_U32(p) (*((GLOBAL_CONST(uint32_t)*)(p)))
 #define LOAD_U16(p) (*((GLOBAL_CONST(uint16_t)*)(p)))
 #define LOAD_F4(p) (*((GLOBAL_CONST(float4)*)(p)))
@@ -68,18 +67,6 @@ template <typename WP, typename O> inline uint2 load8_at(WP words, O off) {
   r.x = FUNNEL_R(a, b, s);
   r.y = FUNNEL_R(b, c, s);
   return r;
-}
-
-// NWD (1, 2 or 4) words from byte offset `off` (a multiple of 2) of `words` (as load16_at) into
-// out: NWD aligned word loads, one more where off is not a multiple of 4, and funnel shifts.
-template <int NWD, typename WP, typename O> inline void load_words_at(WP words, O off, LOCAL(uint32_t) (&out)[NWD]) {
-  WP wp = words + (off >> 2);
-  const uint32_t s = uint32_t(off & 3u) * 8u;
-  uint32_t a[NWD + 1];
-  UNROLL_FULL
-  for (int i = 0; i <= NWD; ++i) a[i] = (i < NWD || s) ? wp[i] : 0u;
-  UNROLL_FULL
-  for (int i = 0; i < NWD; ++i) out[i] = FUNNEL_R(a[i], a[i + 1], s);
 }
 
 // k4_scale_min_words without branches (a select), for lanes of one simdgroup that hold

@@ -38,3 +38,18 @@ __device__ __forceinline__ float warp_max(float v) {
 #define MAKE_UINT4(a, b, c, d) make_uint4(a, b, c, d)
 __device__ __forceinline__ float shuffle_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float shuffle_idx(float v, int l) { return __shfl_sync(0xffffffffu, v, l); }
+// Threadgroup memory sized at launch (MLX's `shared_memory`, which MLX lets past 48 KB):
+// X_MEMORY(name, n) declares `name`, n floats; TG(T) qualifies a pointer into it.
+#define X_MEMORY(name, n) extern __shared__ float4 name##_v4[]; float* name = (float*)name##_v4
+#define TG(T) T
+// LOAD_TG_F4(p): 16 bytes of threadgroup memory as one volatile load, performed where the source
+// places it: a plain load of x_shared's rows, invariant across the row loop, is hoisted out of it
+// by the compiler, which then holds every row's x in registers (231 registers at 2 rows, spills
+// at 4).
+__device__ __forceinline__ float4 load_tg_f4(const float* p) {
+  float4 v;
+  asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(uint32_t(__cvta_generic_to_shared(p))));
+  return v;
+}
+#define LOAD_TG_F4(p) load_tg_f4(p)

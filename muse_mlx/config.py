@@ -22,9 +22,13 @@ class KernelConfig:
         per 16, 4..32).
     stream_groups: threadgroups of a streaming matvec; 0 = from the device (its multiprocessors
         times the groups that fit one by registers).
-    stream_batch: rows of x one streaming matvec takes (a packed step over several slots; more
-        rows are split over launches), at most 4; 0 or 1 = products of several rows take
-        matvec.inc.
+    stream_batch: rows of x one streaming matvec takes in threadgroup memory (a packed step over
+        several slots; more rows are split over launches); 0 or 1 = products of several rows
+        take matvec.inc.
+    stream_batch_rf: rows of weights a batched streaming matvec (B > 1 rows of x) decodes per pass
+        over its x in threadgroup memory (each pass reads the B rows' x once: more rows, fewer
+        reads of threadgroup memory, more registers): 1, 2 or 4, lowered where the rows per step
+        or the registers of a threadgroup would not allow it; 0 = the plan's (plan.STREAM_BATCH_RF).
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -39,17 +43,20 @@ class KernelConfig:
     combine_warps: int = 0
     stream_groups: int = 0
     stream_batch: int = 4
+    stream_batch_rf: int = 0
     prefill_f16: int = 1
     pinned_upload: int = 1
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
-                  "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
+                  "stream_batch_rf": (0, 4), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise MuseError(f"kernel config {name} must be an integer {lo}..{hi}, got {value!r}")
+        if self.stream_batch_rf & (self.stream_batch_rf - 1):
+            raise MuseError(f"kernel config stream_batch_rf must be 0, 1, 2 or 4, got {self.stream_batch_rf}")
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":

@@ -144,6 +144,8 @@ int main(int argc, char** argv) {
 REDEFINE = """
 #undef SHARED
 #define SHARED static
+#undef X_MEMORY
+#define X_MEMORY(name, n) static float4 name##_v4[(n) / 4]; float* name = (float*)name##_v4
 """
 
 
@@ -217,4 +219,4 @@ class EmulatedKernel:
 
 def emulated_kernels(config: KernelConfig = KernelConfig()) -> Kernels:
     """Kernels for the Metal device whose launches run the emulator."""
-    return Kernels(Device("metal", METAL_PLANNING_CORES), config, build=lambda name, which: EmulatedKernel(name))
+    return Kernels(Device("metal", METAL_PLANNING_CORES), config, build=lambda name, which, shared: EmulatedKernel(name))

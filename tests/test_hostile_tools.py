@@ -524,8 +524,8 @@ def test_bench_combine_still_works(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["--matvec-rows", "9"], "--matvec-rows values must be 1..8"),
     (["--matvec-rows", "2,x"], "--matvec-rows: expected comma-separated integers"),
-    (["--matvec-rows", "2", "--matvec-configs", "stream_batch=2"], "needs a tag"),
-    (["--matvec-rows", "2", "--matvec-configs", "a:stream_batch=5"], "stream_batch must be an integer 0..4"),
+    (["--matvec-rows", "2", "--matvec-configs", "stream_batch_rf=2"], "needs a tag"),
+    (["--matvec-rows", "2", "--matvec-configs", "a:stream_batch_rf=3"], "stream_batch_rf must be 0, 1, 2 or 4"),
     (["--matvec-rows", "2", "--reference"], "the MLX-ops backend (--reference) has none"),
     (["--scheduler", "5"], "--scheduler values must be 1..4"),
     (["--scheduler", "2", "--sched-tokens", "0"], "--sched-tokens >= 1"),

@@ -53,7 +53,7 @@ class StandIns(Kernels):
     def matvec_silu(self, w, qtype, gate, up, up_offset=0, init_value=None):
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         assert plan.streams(qtype, K) and gate.shape == up.shape
-        assert gate.shape[0] == 1 or plan.stream_batch_rows(self.config) >= 2
+        assert gate.shape[0] == 1 or plan.stream_batch_rows(K, self.device, self.config) >= 2
         self.silu_calls += 1
         self.silu_rows.append(gate.shape[0])
         dense = dequantize(w, qtype)

@@ -111,7 +111,6 @@ def test_stream_plans_fit_the_hardware(device):
     for qtype, K, N in shapes:
         p = plan.stream_plan(qtype, K, N, device, KernelConfig())
         tpg = plan.stream_threads(K)
-        assert (p.threads, p.pieces, p.parts, p.units) == (tpg, 1, 1, K // 64)
         assert p.rows % p.rows_loaded == 0 and 1 <= p.groups <= -(-N // p.rows)
         if device.backend == "cuda":
             per_sm = -(-min(p.groups, device.cores * max(1, 2048 // tpg)) // device.cores)
@@ -145,40 +144,55 @@ def test_stream_groups_come_from_the_device_or_the_config():
     assert plan.stream_groups(128, METAL, KernelConfig()) == 64
 
 
-def test_rows_of_x_per_streaming_launch():
-    """A packed step's rows of x go to the streaming kernel, at most four a launch (stream_batch
-    bounds it, and 0 or 1 turns it off: matvec.inc then)."""
-    assert plan.stream_batch_rows(KernelConfig()) == 4
-    assert plan.stream_batch_rows(KernelConfig(stream_batch=2)) == 2
-    assert plan.stream_batch_rows(KernelConfig(stream_batch=1)) == 0
-    assert plan.stream_batch_rows(KernelConfig(stream_batch=0)) == 0
+def test_rows_of_x_per_streaming_launch_fit_threadgroup_memory():
+    """A packed step's rows of x go to the streaming kernel's threadgroup memory, 64 floats a row
+    and thread: on the H200 (227 KB a threadgroup) four rows at K = 4,096 and 6,656, two at
+    19,968 (the FFN down projection); on Apple GPUs (32 KB) three up to K = 2,048 (32 threads),
+    none from 2,049 on (matvec.inc then); stream_batch bounds it, and 0 or 1 turns it off."""
+    h200 = Device("cuda", 132, 232448)
+    assert [plan.stream_batch_rows(k, h200, KernelConfig()) for k in (4096, 6656, 19968)] == [4, 4, 2]
+    assert [plan.stream_batch_rows(k, METAL, KernelConfig()) for k in (256, 2048, 3584, 4096, 6656)] == [3, 3, 0, 0, 0]
+    assert plan.stream_batch_rows(4096, h200, KernelConfig(stream_batch=2)) == 2
+    assert plan.stream_batch_rows(4096, h200, KernelConfig(stream_batch=1)) == 0
+    for k in (4096, 6656, 19968):
+        b = plan.stream_batch_rows(k, h200, KernelConfig())
+        _, memory, launch = plan.stream_launch(QT.Q4_K, k, 6656, "", 0, h200, KernelConfig(), b, k)
+        assert memory == 4 * 64 * b * plan.stream_threads(k) and memory + plan.STREAM_RED_BYTES <= h200.group_memory
+        assert launch["output_shapes"] == [(b, 6656)]
+        p = plan.stream_plan(QT.Q4_K, k, 6656, h200, KernelConfig(), b)
+        per_sm = -(-p.groups // h200.cores)
+        assert per_sm * (memory + plan.STREAM_RED_BYTES) <= h200.group_memory + plan.STREAM_RED_BYTES * per_sm
+        assert per_sm * plan.stream_threads(k) <= 2048
 
 
-@pytest.mark.parametrize("device", [H200, Device("cuda", 78), METAL], ids=["h200", "sm78", "metal"])
-def test_batched_stream_plans_cover_k_once(device):
-    """With B rows of x, P threads share each 64-value unit (B x 64 / P <= 64 x values a thread),
-    the threadgroups' parts of K cover every unit exactly once with at most STREAM_MAX_THREADS
-    threads each (the registers of one multiprocessor at 128 a thread), R a multiple of RF and
-    B x R sums within one simdgroup's reduction (32), at every K the kernel streams."""
-    for qtype in (QT.Q4_K, QT.Q6_K):
-        for B in (2, 3, 4):
-            P = plan.stream_pieces(B)
-            assert B * 64 // P <= 64 and 64 % P == 0
-            for K in range(256, 32769, 256):
-                for N in (9, 256, 6656):
-                    p = plan.stream_plan(qtype, K, N, device, KernelConfig(), B)
-                    units = K // 64
-                    assert p.pieces == P and p.threads % 32 == 0 and p.units * P <= p.threads
-                    assert p.threads <= plan.STREAM_MAX_THREADS
-                    assert p.parts * p.units >= units > (p.parts - 1) * p.units
-                    assert p.rows % p.rows_loaded == 0 and B * p.rows <= 32 and 1 <= p.groups <= -(-N // p.rows)
-                    name, launch = plan.stream_launch(qtype, K, N, "", 0, device, KernelConfig(), B, K)
-                    assert launch["grid"] == (p.groups * p.threads, p.parts, 1)
-                    assert launch["output_shapes"] == [(p.parts, B, N) if p.parts > 1 else (B, N)]
-    # the pinned shapes: K = 6,656 in one part, the FFN down product's 19,968 in 2 (B = 2) or 3
-    assert [plan.stream_plan(QT.Q4_K, 19968, 6656, H200, KernelConfig(), b).parts for b in (2, 3, 4)] == [2, 3, 3]
-    assert [plan.stream_plan(QT.Q4_K, 6656, 8448, H200, KernelConfig(), b).threads for b in (2, 3, 4)] == [224, 416, 416]
-    assert plan.stream_plan(QT.Q4_K, 6656, 8448, H200, KernelConfig(), 1).threads == 128
+def test_batched_stream_rows_per_pass():
+    """stream_batch_rf: the rows of weights decoded per pass over the B rows of x, the plan's by
+    default, capped at the rows per step (Q6_K at B = 4 steps 4 rows), never at B = 1; and lowered
+    where a threadgroup's registers would pass the multiprocessor's (which fails the launch)."""
+    h200 = Device("cuda", 132, 232448)
+    default = plan.stream_plan(QT.Q4_K, 6656, 8704, h200, KernelConfig(), 2)
+    assert default.rows_loaded == plan.STREAM_BATCH_RF
+    for rf in (1, 2, 4):
+        config = KernelConfig(stream_batch_rf=rf)
+        assert plan.stream_plan(QT.Q4_K, 6656, 8704, h200, config, 2).rows_loaded == rf
+        assert plan.stream_plan(QT.Q6_K, 6656, 8704, h200, config, 4).rows_loaded == min(rf, 4)
+        assert plan.stream_plan(QT.Q4_K, 6656, 8704, h200, config, 1) == plan.stream_plan(
+            QT.Q4_K, 6656, 8704, h200, KernelConfig(), 1)
+        name, _, launch = plan.stream_launch(QT.Q4_K, 6656, 8704, "", 0, h200, config, 3, 6656)
+        assert name == "matvec_stream_shared_q4_k" and ("RF", rf) in launch["template"]
+    # 416 threads (K = 26,624): Q6_K's 168 registers at RF = 2 would ask 69,888 of 65,536
+    assert plan.stream_batch_rows(26624, h200, KernelConfig()) == 2
+    rf2 = KernelConfig(stream_batch_rf=2)
+    assert plan.stream_plan(QT.Q6_K, 26624, 6656, h200, rf2, 2).rows_loaded == 1
+    assert plan.stream_plan(QT.Q4_K, 26624, 6656, h200, rf2, 2).rows_loaded == 2
+    assert plan.stream_plan(QT.Q4_K, 26624, 6656, h200, KernelConfig(stream_batch_rf=4), 2).rows_loaded == 2
+    for (qtype, b, rf), regs in plan.STREAM_BATCH_REGISTERS.items():   # every planned launch fits
+        for k in range(256, 32769, 256):
+            rows = plan.stream_batch_rows(k, h200, KernelConfig())
+            if b <= rows:
+                p = plan.stream_plan(qtype, k, 6656, h200, KernelConfig(stream_batch_rf=rf), b)
+                used = plan.STREAM_BATCH_REGISTERS[qtype, b, p.rows_loaded]
+                assert used * plan.stream_threads(k) <= plan.GROUP_REGISTERS, (qtype, b, rf, k)
 
 
 def test_kernel_config_parses_and_rejects():
@@ -188,7 +202,8 @@ def test_kernel_config_parses_and_rejects():
     assert (c.ring_chunk, c.plane_chunk, c.combine_warps, c.stream_groups) == (16, 512, 6, 0)
     for bad, fragment in [("ring_chunk", "name=value"), ("rows=8", "name=value"), ("ring_chunk=x", "integer"),
                           ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0.."),
-                          ("stream_batch=5", "0..4"), ("stream_batch_rf=2", "name=value")]:
+                          ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2 or 4"),
+                          ("stream_batch_rf=8", "0..4")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

@@ -54,13 +54,14 @@ def test_streaming_matvec(metal, qtype, n, k):
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("b, n, k", [(2, 37, 768), (4, 9, 1280), (3, 5, 256), (6, 21, 512)])
-def test_streaming_matvec_rows(metal, qtype, b, n, k):
-    """Several rows of x through the streaming kernel (a packed step over slots): each 64-value
-    unit over 2 (B = 2) or 4 threads (B = 3, 4), each weight read once for the rows of a launch
-    (6 rows: 4 + 2 in two launches; 1,280 = 5 blocks puts Q6_K rows off 4-byte boundaries)."""
+def test_streaming_matvec_rows_in_threadgroup_memory(metal, qtype, b, n, k):
+    """Several rows of x through the streaming kernel's x_shared form (a packed step over slots):
+    each weight read once for the rows of a launch (on the Metal plan at most 3: 4 and 6 rows
+    take two launches; 1,280 = 5 blocks puts Q6_K rows off 4-byte boundaries)."""
     rng = np.random.default_rng([b, n, k, int(qtype), 7])
     w = random_blocks(n, k, qtype, rng)
     x = rng.standard_normal((b, k)).astype(np.float32)
+    assert plan.stream_batch_rows(k, metal.device, metal.config) >= 2
     out = np.array(metal.matvec(mx.array(w), qtype, mx.array(x), init_value=NAN))
     W = dense(w, qtype, n, k)
     assert out.shape == (b, n) and np.isfinite(out).all()
@@ -68,30 +69,21 @@ def test_streaming_matvec_rows(metal, qtype, b, n, k):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("b, parts, units", [(2, 2, 20), (4, 3, 14)])
-def test_streaming_matvec_rows_with_k_in_parts(qtype, b, parts, units):
-    """K past what one threadgroup's threads cover at P threads a unit (STREAM_MAX_THREADS lowered
-    to 64: K = 2,560, 40 units, in 2 parts at B = 2, in 3 of 14, 14 and 12 at B = 4), and more rows
-    than one group's steps with few groups: each part's sums added after the launch."""
-    from unittest import mock
-    with mock.patch.object(plan, "STREAM_MAX_THREADS", 64):
-        plan.stream_plan.cache_clear()
-        plan.stream_launch.cache_clear()
-        try:
-            kernels = emulated_kernels(KernelConfig(stream_groups=3))
-            n, k = 29, 2560
-            p = plan.stream_plan(qtype, k, n, kernels.device, kernels.config, b)
-            assert plan.streams(qtype, k) and (p.parts, p.units) == (parts, units)
-            rng = np.random.default_rng([b, n, k, int(qtype), 12])
-            w = random_blocks(n, k, qtype, rng)
-            x = rng.standard_normal((b, k)).astype(np.float32)
-            out = np.array(kernels.matvec(mx.array(w), qtype, mx.array(x), init_value=NAN))
-        finally:
-            plan.stream_plan.cache_clear()
-            plan.stream_launch.cache_clear()
-    W = dense(w, qtype, n, k)
-    assert out.shape == (b, n) and np.isfinite(out).all()
-    assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+@pytest.mark.parametrize("rf", [2, 4])
+def test_streaming_matvec_rows_decoded_per_pass(metal, qtype, rf):
+    """stream_batch_rf: RF rows of weights decoded per pass over the rows of x in threadgroup
+    memory. Each row's sums keep their order, so the products equal RF = 1's bit for bit (and
+    the float64 terms). Enough rows that each group steps 8 at a time; the last group's end
+    off a multiple of RF."""
+    many = emulated_kernels(KernelConfig(stream_batch_rf=rf))
+    b, n, k = 3, 8 * many.device.cores + 5, 768
+    rng = np.random.default_rng([b, n, k, int(qtype), 8])
+    w, x = mx.array(random_blocks(n, k, qtype, rng)), mx.array(rng.standard_normal((b, k)).astype(np.float32))
+    assert plan.stream_plan(qtype, k, n, many.device, many.config, b).rows_loaded == rf
+    out = np.array(many.matvec(w, qtype, x, init_value=NAN))
+    assert np.array_equal(out, np.array(metal.matvec(w, qtype, x, init_value=NAN)))
+    W = dense(np.array(w), qtype, n, k)
+    assert err_over_terms(out, np.array(x) @ W.T, np.abs(np.array(x)) @ np.abs(W).T) < 1e-6
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)

@@ -13,14 +13,19 @@ import mlx.core as mx
 # core count to MLX; this value has not been measured on Apple hardware in this project).
 METAL_PLANNING_CORES = 64
 
+# Threadgroup memory one Metal threadgroup may declare (Apple GPUs: 32 KB).
+METAL_GROUP_MEMORY = 32768
+
 
 @dataclass(frozen=True)
 class Device:
     """backend: 'metal' or 'cuda'; cores: multiprocessors (CUDA, from the driver) or the
-    planning value for Metal."""
+    planning value for Metal; group_memory: the bytes of threadgroup memory one threadgroup
+    may use (CUDA: the driver's opt-in maximum, which MLX enables past 48 KB)."""
 
     backend: str
     cores: int
+    group_memory: int = METAL_GROUP_MEMORY
     capability: tuple[int, int] = (0, 0)   # CUDA compute capability (major, minor); (0, 0) on Metal
 
 
@@ -41,18 +46,19 @@ def gpu_device() -> Device | None:
     if backend is None:
         return None
     if backend == "cuda":
-        return Device("cuda", cuda_attribute(CU_MULTIPROCESSOR_COUNT),
+        return Device("cuda", cuda_attribute(CU_MULTIPROCESSOR_COUNT), cuda_attribute(CU_MAX_SHARED_PER_BLOCK_OPTIN),
                       (cuda_attribute(CU_CAPABILITY_MAJOR), cuda_attribute(CU_CAPABILITY_MINOR)))
     return Device("metal", METAL_PLANNING_CORES)
 
 
 CU_MULTIPROCESSOR_COUNT = 16            # CUdevice_attribute values (cuda.h)
+CU_MAX_SHARED_PER_BLOCK_OPTIN = 97
 CU_CAPABILITY_MAJOR, CU_CAPABILITY_MINOR = 75, 76
 
 
 def cuda_attribute(attribute: int, device_index: int = 0) -> int:
     """An attribute of a CUDA device from the driver API (libcuda, which every machine that
-    runs CUDA has): MLX's device_info reports neither the multiprocessors nor the capability."""
+    runs CUDA has): MLX's device_info reports neither the multiprocessors nor the shared memory."""
     name = ctypes.util.find_library("cuda") or "libcuda.so.1"
     try:
         lib = ctypes.CDLL(name)

@@ -26,8 +26,8 @@ class Kernels:
         self._build = build or source.build
         self.disk_cache = disk_cache
 
-    def kernel(self, name: str):
-        k = self._build(name, self.device.backend)
+    def kernel(self, name: str, group_memory: int = 0):
+        k = self._build(name, self.device.backend, group_memory)
         if self.disk_cache is None:
             return k
         cache = self.disk_cache
@@ -49,16 +49,17 @@ class Kernels:
     def matvec(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None) -> mx.array:
         """x (B, K) float32, 1 <= B <= MAX_BATCH; w the raw GGUF rows (N, row_bytes) uint8 -> (B, N) float32.
 
-        A type with a streaming kernel takes it (matvec_stream.inc: x in registers, each 64-value
-        unit of K over 1, 2 or 4 threads by B), plan.stream_batch_rows rows of x a launch;
-        otherwise matvec.inc. Each reads each weight once for all the rows of its launch.
-        `init_value` pre-fills the output (tests poison it with NaN to catch unwritten elements)."""
+        A type with a streaming kernel takes it (matvec_stream.inc): one row with x in
+        registers, several with x in threadgroup memory, as many rows a launch as
+        plan.stream_batch_rows allows; otherwise matvec.inc. Each reads each weight once for
+        all the rows of its launch. `init_value` pre-fills the output (tests poison it with NaN
+        to catch unwritten elements)."""
         B, K = x.shape
         if not 1 <= B <= plan.MAX_BATCH:
             raise ValueError(f"matvec takes 1..{plan.MAX_BATCH} rows, got {B}")
         x = x.astype(mx.float32)
         N = w.shape[0]
-        if plan.streams(qtype, K) and (B == 1 or plan.stream_batch_rows(self.config)):
+        if plan.streams(qtype, K) and (B == 1 or plan.stream_batch_rows(K, self.device, self.config)):
             return self._stream(w, qtype, K, N, "", [x], 0, init_value)
         name, launch = plan.batch_launch(qtype, K, N, B)
         if qtype in plan.QUANT_VARIANTS:
@@ -76,7 +77,7 @@ class Kernels:
     def matvec_silu(self, w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset: int = 0,
                     init_value: float | None = None) -> mx.array:
         """W @ (silu(gate) * up) for B token rows, the activation made inside the streaming kernel
-        (plan.streams(qtype, K) must hold, and for B > 1 stream_batch_rows >= 2). gate, up:
+        (plan.streams(qtype, K) must hold, and for B > 1 stream_batch_rows(K) >= 2). gate, up:
         (B, S) float32 of one row stride S; per row, gate's K values from its start and up's
         from `up_offset` (pass one stacked gate|up output as both, up_offset = K). -> (B, N)."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
@@ -86,17 +87,16 @@ class Kernels:
 
     def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,
                 init_value: float | None) -> mx.array:
-        """The streaming launches over the rows of xs (each (B, S)), stream_batch_rows at a time;
-        a launch with K in parts gives each part's sums, added here in part order."""
+        """The streaming launches over the rows of xs (each (B, S)), stream_batch_rows at a time."""
         B, stride = xs[0].shape
-        step = 1 if B == 1 else plan.stream_batch_rows(self.config)
+        step = 1 if B == 1 else plan.stream_batch_rows(K, self.device, self.config)
         outs = []
         for b0 in range(0, B, step):
             rows = min(step, B - b0)
             part = [a if rows == B else a[b0:b0 + rows] for a in xs]
-            name, launch = plan.stream_launch(qtype, K, N, act, up_offset, self.device, self.config, rows, stride)
-            y = self.kernel(name)(inputs=[w, *part], init_value=init_value, **launch)[0]
-            outs.append(y.sum(axis=0) if y.ndim == 3 else y)
+            name, memory, launch = plan.stream_launch(qtype, K, N, act, up_offset, self.device, self.config,
+                                                      rows, stride)
+            outs.append(self.kernel(name, memory)(inputs=[w, *part], init_value=init_value, **launch)[0])
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     # ---- decode attention ----

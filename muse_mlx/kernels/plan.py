@@ -21,13 +21,24 @@ STREAM_RED_BYTES = 4096    # the streaming kernels' static threadgroup memory at
 
 # The streaming one-token matvec (matvec_stream.inc): format name, rows per step R, rows loaded together RF.
 STREAM_VARIANTS = {QT.Q4_K: ("q4_k", 8, 4), QT.Q6_K: ("q6_k", 8, 2)}
-# With B > 1 rows of x each 64-value unit of K is split over P threads (stream_pieces), and each
-# (type, B) steps R rows at a time, RF loaded together: the largest R and RF whose registers stay
-# at 128 a thread or fewer (ptxas, sm_90a, CUDA 13.0, at K = 4,096 / 6,656 / 19,968), so that 512
-# threads of one or more threadgroups fit a multiprocessor. (Q6_K at B = 4 takes 167 at R = 4.)
-STREAM_BATCH_PLAN = {(QT.Q4_K, 2): (8, 2), (QT.Q4_K, 3): (8, 2), (QT.Q4_K, 4): (4, 2),
-                     (QT.Q6_K, 2): (8, 2), (QT.Q6_K, 3): (8, 2), (QT.Q6_K, 4): (2, 2)}
-STREAM_BATCH_MAX = 4     # rows of x one streaming launch takes (more are split over launches)
+# With B > 1 rows of x (x_shared): rows per step R by B, and rows of weights decoded per pass over
+# x RF (KernelConfig.stream_batch_rf overrides it): RF = 2 took one step's products at B = 2 / 3 / 4
+# from 14.5 / 22.1 / 32.4 ms to 12.1 / 18.0 / 26.1 (H200, 2026-12-01, 2d74d6b, ledger).
+STREAM_BATCH_R = {QT.Q4_K: {2: 8, 3: 8, 4: 8}, QT.Q6_K: {2: 8, 3: 8, 4: 4}}
+STREAM_BATCH_RF = 2
+# Registers a thread of the x_shared kernels takes, by (type, B, RF): ptxas, sm_90a, NVRTC 13.0 with
+# MLX 0.32.1's headers (scripts/nvrtc_check.py), the most over K = 4,096 / 6,656 / 19,968, plain and
+# silu forms. MLX launches without launch bounds, so a threadgroup must fit the multiprocessor's
+# GROUP_REGISTERS: an RF whose registers times the threads would not is lowered (at 255 some spill).
+STREAM_BATCH_REGISTERS = {
+    (QT.Q4_K, 2, 1): 126, (QT.Q4_K, 2, 2): 128, (QT.Q4_K, 2, 4): 168,
+    (QT.Q4_K, 3, 1): 138, (QT.Q4_K, 3, 2): 170, (QT.Q4_K, 3, 4): 254,
+    (QT.Q4_K, 4, 1): 176, (QT.Q4_K, 4, 2): 254, (QT.Q4_K, 4, 4): 255,
+    (QT.Q6_K, 2, 1): 140, (QT.Q6_K, 2, 2): 168, (QT.Q6_K, 2, 4): 255,
+    (QT.Q6_K, 3, 1): 180, (QT.Q6_K, 3, 2): 255, (QT.Q6_K, 3, 4): 255,
+    (QT.Q6_K, 4, 1): 194, (QT.Q6_K, 4, 2): 255, (QT.Q6_K, 4, 4): 255,
+}
+GROUP_REGISTERS = 65536
 ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
@@ -39,8 +50,7 @@ def supports(qtype: QT) -> bool:
 
 
 def stream_threads(K: int) -> int | None:
-    """Threads of a one-row streaming matvec: one 64-value unit of K each, rounded up to whole
-    simdgroups.
+    """Threads of a streaming matvec: one 64-value unit of K each, rounded up to whole simdgroups.
 
     None past STREAM_MAX_THREADS (K > 32,768): MLX launches without launch bounds, so a larger
     group could ask for more registers than a multiprocessor has; such rows take matvec.inc."""
@@ -49,31 +59,21 @@ def stream_threads(K: int) -> int | None:
 
 
 def streams(qtype: QT, K: int) -> bool:
-    """Whether a product with a (N, K) matrix of this type takes the streaming kernel."""
+    """Whether a one-token product with a (N, K) matrix of this type takes the streaming kernel."""
     return qtype in STREAM_VARIANTS and stream_threads(K) is not None
-
-
-def stream_pieces(B: int) -> int:
-    """Threads that share one 64-value unit of K with B rows of x: each keeps 64 / P values of
-    every row in registers (B x 64 / P <= 64)."""
-    return 1 if B == 1 else 2 if B == 2 else 4
 
 
 class StreamPlan(NamedTuple):
     """How one streaming matvec launch walks its rows."""
     rows: int          # R: rows per step (one threadgroup barrier each)
     rows_loaded: int   # RF: rows whose pieces are loaded together
-    groups: int        # threadgroups along the rows (grid x)
-    pieces: int        # P: threads a 64-value unit of K
-    parts: int         # KS: threadgroups along K (grid y); their sums are added after the launch
-    units: int         # UPG: units of K a threadgroup covers
-    threads: int       # TPG
+    groups: int        # threadgroups in the grid
 
 
 def stream_groups(threads: int, device: Device, config: KernelConfig) -> int:
-    """Threadgroups of a one-row streaming matvec: the config's, else on CUDA as many as fit on
-    each multiprocessor at once by registers (~128 a thread: 512 threads), so that enough warps
-    have loads in flight; on Metal the planning value (unmeasured)."""
+    """Threadgroups of a streaming matvec: the config's, else on CUDA as many as fit on each
+    multiprocessor at once by registers (~128 a thread: 512 threads), so that enough warps have
+    loads in flight; on Metal the planning value (unmeasured)."""
     if config.stream_groups:
         return config.stream_groups
     if device.backend != "cuda":
@@ -81,59 +81,63 @@ def stream_groups(threads: int, device: Device, config: KernelConfig) -> int:
     return device.cores * max(1, STREAM_MAX_THREADS // threads)
 
 
-def stream_batch_rows(config: KernelConfig) -> int:
-    """Rows of x one streaming launch takes with B > 1 (x in registers, 64 / P values a row a
-    thread): config.stream_batch, at most STREAM_BATCH_MAX; 0 when it is below 2 (products of
-    several rows then take matvec.inc)."""
-    rows = min(config.stream_batch, STREAM_BATCH_MAX)
+def stream_batch_rows(K: int, device: Device, config: KernelConfig) -> int:
+    """Rows of x one batched streaming launch takes (x_shared: B x 64 floats a thread of
+    threadgroup memory): at most config.stream_batch, as many as the device's threadgroup memory holds;
+    0 when fewer than 2 fit (products of several rows then take matvec.inc)."""
+    threads = stream_threads(K)
+    if threads is None:
+        return 0
+    rows = min(config.stream_batch, (device.group_memory - STREAM_RED_BYTES) // (4 * 64 * threads))
     return rows if rows >= 2 else 0
 
 
 @lru_cache(maxsize=None)
 def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, B: int = 1) -> StreamPlan:
     """The launch of a streaming matvec over N rows of length K for B rows of x (streams(qtype, K)
-    must hold; 1 <= B <= STREAM_BATCH_MAX).
+    must hold; B > 1: at most stream_batch_rows).
 
-    One row of x: a thread a unit, the threadgroup over all of K. B > 1: P threads a unit, and
-    where P x K / 64 threads would pass STREAM_MAX_THREADS, K in KS parts, one threadgroup each
-    (the FFN down product's K = 19,968: 2 parts at P = 2, 3 at P = 4). A matrix with fewer row
-    groups than multiprocessors (V: 256 rows, 32 groups of 8) would leave most of the GPU idle,
-    each group working through its rows one after another: fewer rows per group instead, down
-    to 2 (docs/kernels.md)."""
-    units = K // 64
-    P = stream_pieces(B)
-    if B == 1:
-        _, R, RF = STREAM_VARIANTS[qtype]
-    else:
-        R, RF = STREAM_BATCH_PLAN[qtype, B]
-    parts = -(-units * P // STREAM_MAX_THREADS)
-    upg = -(-units // parts)
-    threads = -(-upg * P // 32) * 32
+    A matrix with fewer row groups than multiprocessors (V: 256 rows, 32 groups of 8) would
+    leave most of the GPU idle, each group working through its rows one after another: fewer
+    rows per group instead, down to 2 (docs/kernels.md). With B rows of x each thread keeps B
+    sets of sums: STREAM_BATCH_R rows a step, STREAM_BATCH_RF (or the config's) decoded per pass
+    over x while their registers fit a threadgroup, and as many threadgroups share a
+    multiprocessor as its threadgroup memory holds."""
+    _, R, RF = STREAM_VARIANTS[qtype]
+    threads = stream_threads(K)
+    if B > 1:
+        R = STREAM_BATCH_R[qtype][B]
+        RF = min(R, config.stream_batch_rf or STREAM_BATCH_RF)
+        while RF > 1 and STREAM_BATCH_REGISTERS[qtype, B, RF] * threads > GROUP_REGISTERS:
+            RF //= 2
     while R > 2 and -(-N // R) < device.cores:
         R //= 2
         RF = min(RF, R)
     if B == 1:
         groups = stream_groups(threads, device, config)
+    elif config.stream_groups:
+        groups = config.stream_groups
     else:
-        groups = config.stream_groups or max(1, stream_groups(threads, device, config) // parts)
-    return StreamPlan(R, RF, min(-(-N // R), groups), P, parts, upg, threads)
+        by_memory = device.group_memory // (4 * 64 * B * threads + STREAM_RED_BYTES)
+        groups = device.cores * max(1, min(by_memory, STREAM_MAX_THREADS // threads))
+    return StreamPlan(R, RF, min(-(-N // R), groups))
 
 
 @lru_cache(maxsize=None)
 def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Device,
-                  config: KernelConfig, B: int = 1, row_stride: int = 0) -> tuple[str, dict]:
-    """(kernel name, launch keywords) of a streaming matvec over B rows of x; act '' or '_silu';
-    row_stride: floats between x's rows (0: K). Its output is (B, N), or (KS, B, N) with K in
-    KS parts (the caller adds them)."""
+                  config: KernelConfig, B: int = 1, row_stride: int = 0) -> tuple[str, int, dict]:
+    """(kernel name, its threadgroup memory in bytes, launch keywords) of a streaming matvec over
+    B rows of x; act '' or '_silu'; row_stride: floats between x's rows (0: K)."""
     variant = STREAM_VARIANTS[qtype][0]
-    p = stream_plan(qtype, K, N, device, config, B)
-    template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("TPG", p.threads), ("R", p.rows),
-                ("RF", p.rows_loaded), ("RB", K // 256 * ROW_BYTES_PER_256[qtype]), ("P", p.pieces),
-                ("UPG", p.units), ("KS", p.parts)]
+    tpg = stream_threads(K)
+    plan = stream_plan(qtype, K, N, device, config, B)
+    template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("TPG", tpg), ("R", plan.rows),
+                ("RF", plan.rows_loaded), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     template += [("UP_OFF", up_offset)] if act else []
-    return f"matvec_stream{act}_{variant}", dict(
-        template=template, grid=(p.groups * p.threads, p.parts, 1), threadgroup=(p.threads, 1, 1),
-        output_shapes=[(p.parts, B, N) if p.parts > 1 else (B, N)], output_dtypes=[mx.float32], stream=mx.gpu)
+    where, memory = ("", 0) if B == 1 else ("_shared", 4 * 64 * B * tpg)
+    return f"matvec_stream{where}{act}_{variant}", memory, dict(
+        template=template, grid=(plan.groups * tpg, 1, 1), threadgroup=(tpg, 1, 1), output_shapes=[(B, N)],
+        output_dtypes=[mx.float32], stream=mx.gpu)
 
 
 @lru_cache(maxsize=None)

@@ -28,12 +28,13 @@ KERNELS = {
     # matvec.inc: up to MAX_BATCH rows of x, any supported block type
     **{f"matvec_{v}": ("matvec", ["prologue", v, "epilogue"], ["w", "x", "xs"], ["y"]) for v in BATCH_FORMATS},
     "matvec_float": ("matvec", ["prologue", "float", "epilogue"], ["w", "x"], ["y"]),
-    # matvec_stream.inc: rows streamed from device memory, the x of B = 1..4 tokens in registers
-    # (each 64-value unit of K over P threads); the _silu form makes silu(gate) * up in its
+    # matvec_stream.inc: rows streamed from device memory, x for one token in registers or for
+    # B tokens in threadgroup memory (_shared); the _silu form makes silu(gate) * up in its
     # prologue (the FFN down projection)
-    **{f"matvec_stream{act}_{v}": ("matvec_stream", ["prologue", xs, "unit", v, "x_registers", f"{v}_sums",
-                                                     "loop_direct", f"{v}_rows", "epilogue"], ["w", *inputs], ["y"])
+    **{f"matvec_stream{where}{act}_{v}": ("matvec_stream", ["prologue", xs, v, f"x_{keep}", f"{v}_sums",
+                                                            "loop_direct", f"{v}_rows", "epilogue"], ["w", *inputs], ["y"])
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+       for where, keep in (("", "registers"), ("_shared", "shared"))
        for v in STREAM_FORMATS},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
@@ -143,12 +144,13 @@ def texts(name: str, which: str) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def build(name: str, which: str):
-    """The MLX kernel object `name` for backend `which`."""
+def build(name: str, which: str, shared_memory: int = 0):
+    """The MLX kernel object `name` for backend `which`; `shared_memory`: dynamic threadgroup
+    memory in bytes (CUDA; a Metal body declares its threadgroup memory with a size)."""
     _, _, inputs, outputs = KERNELS[name]
     header, source = texts(name, which)
     if which == "metal":
         return mx.fast.metal_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
                                     header=header)
     return mx.fast.cuda_kernel(name=f"muse_{name}", input_names=inputs, output_names=outputs, source=source,
-                               header=header)
+                               header=header, shared_memory=shared_memory)

@@ -220,7 +220,7 @@ class GpuOps(ReferenceOps):
         rows = gate.array.shape[0]
         kernels = self.kernels
         if (w.raw and gate.offset == 0 and gate.array.shape == up.array.shape and kplan.streams(w.qtype, w.n_in)
-                and (rows == 1 or kplan.stream_batch_rows(kernels.config))
+                and (rows == 1 or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
                 and rows <= kplan.MAX_BATCH):
             return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset)
         return super().down_silu(w, gate, up)
