@@ -37,6 +37,12 @@ class HostUpload(PinnedUpload):
         self.copies.append((at, nbytes))
         return mx.array(np.frombuffer(self._staging.view[at:at + nbytes], dtype=np.uint8).copy())
 
+    def _copy_nothing(self, nbytes: int) -> mx.array:
+        return mx.zeros((nbytes,), mx.uint8)
+
+    def _prefetch(self, arrays: list) -> None:
+        self.prefetched = getattr(self, "prefetched", []) + [(a.nbytes, len(self.copies)) for a in arrays]
+
 
 @pytest.fixture()
 def files(tmp_path):
@@ -158,3 +164,100 @@ def test_a_half_is_refilled_only_after_its_copies_were_waited_for(files, monkeyp
     got = up.upload(pieces)
     assert [bytes(np.array(a)) for a in got] == [p.path.read_bytes() for p in pieces]
     assert not in_flight   # every copy waited for before upload returned
+
+
+def _staged_ops(up: PinnedUpload, piece_bytes: int):
+    """The MLX-ops backend with the weights through the staging pipeline (here HostUpload) and its
+    reservation, the way GpuOps loads them on CUDA with pinned_upload = 1; records the arrays
+    stack_raw makes (every matrix's) and the first load_raw call's (the embedding's)."""
+    from muse_mlx.ops.gpu import GpuOps
+    from muse_mlx.ops.reference import ReferenceOps
+    from muse_mlx.weight_stream import upload_raw
+
+    class Staged(ReferenceOps):
+        raw_piece_bytes = piece_bytes
+        upload = up
+
+        def __init__(self):
+            super().__init__()
+            self.kept: list[int] = []
+
+        def _raw_arrays(self, raws):
+            out = upload_raw(raws, up, piece_bytes)
+            if not self.kept:
+                self.kept.append(out[0].nbytes)
+            return out
+
+        def stack_raw(self, raws):
+            out = super().stack_raw(raws)
+            self.kept.append(out.nbytes)
+            return out
+
+        reserve = GpuOps.reserve
+    return Staged()
+
+
+@pytest.mark.parametrize("gguf", ["f32", "tiny-q8_0"])
+def test_weights_through_the_staging_are_the_files_bytes(f32_fixture, gguf):
+    """Every parameter of a model loaded through the staging (4 KiB pieces, many halves a layer)
+    equals the mx.load path's, and so do the logits; the memory reserved before any copy holds an
+    array of each size the weights keep (the embedding's rows, every matrix stacked or not)."""
+    from collections import Counter
+    from importlib import resources
+
+    from mlx.utils import tree_flatten
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.model import Model
+    from muse_mlx.ops.reference import ReferenceOps
+
+    path = f32_fixture if gguf == "f32" else resources.files("muse_mlx").joinpath("data/muse-glimmer-tiny-q8_0.gguf")
+    up = HostUpload(half_bytes=64 * 1024, threads=3)
+    ops = _staged_ops(up, 4096)
+    staged = Model(open_artifact(path), ops=ops)
+    plain = Model(open_artifact(path), ops=ReferenceOps())
+    assert len(up.copies) > 100
+    assert all(copies_before == 0 for _, copies_before in up.prefetched)   # reserved before the first copy
+    reserved = Counter(n for n, _ in up.prefetched)
+    assert not Counter(ops.kept) - reserved                                 # every kept size is reserved
+    a, b = dict(tree_flatten(staged.parameters())), dict(tree_flatten(plain.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array(a[k]).tobytes() == np.array(b[k]).tobytes(), k
+    ids = mx.array([[1, 5, 9, 200, 7]])
+    x = staged(ids, [staged.make_cache(16)])
+    y = plain(ids, [plain.make_cache(16)])
+    assert np.array(x).tobytes() == np.array(y).tobytes()
+
+
+def test_a_bad_matrix_through_the_staging_is_named(tmp_path):
+    """A NaN block scale in a middle layer loaded through the staging is refused, the host scan
+    naming the matrix."""
+    from mutate import set_tensor_values
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.errors import ArtifactError
+    from muse_mlx.model import Model
+    from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_random_blocks
+
+    good = write_random_blocks(tmp_path / "q4_k_m.gguf", DEFAULT_GEOMETRY, kquant_mix(DEFAULT_GEOMETRY))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(set_tensor_values(good.read_bytes(), "blk.3.ffn_down.weight", 7, float("nan")))
+    Model(open_artifact(good, check_weights=False), ops=_staged_ops(HostUpload(half_bytes=64 * 1024), 8192))
+    with pytest.raises(ArtifactError, match="'blk.3.ffn_down.weight' row"):
+        Model(open_artifact(bad, check_weights=False), ops=_staged_ops(HostUpload(half_bytes=64 * 1024), 8192))
+
+
+def test_device_sizes_name_what_stays_and_what_passes(tmp_path):
+    """weight_stream.device_sizes against the pieces by hand: a stacked pair of 3-piece tensors and a
+    lone one-piece tensor."""
+    from gguf import GGMLQuantizationType as QT
+
+    from muse_mlx.artifact import RawTensor
+    from muse_mlx.weight_stream import device_sizes
+
+    def raw(rows):
+        return RawTensor("t", QT.Q8_0, (32, rows), np.zeros((rows, 34), np.uint8), tmp_path / "f", 0)
+    kept, passing = device_sizes([[raw(25), raw(25)], [raw(5)]], piece_bytes=340)   # 10 rows a piece
+    assert kept == [50 * 34, 5 * 34]
+    assert sorted(passing) == sorted([340, 340, 170, 25 * 34] * 2)
