@@ -138,7 +138,8 @@ def array_address(a: mx.array) -> int:
     """The data pointer of an evaluated MLX array (DLTensor.data of its DLPack capsule)."""
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    return ctypes.cast(get(a.__dlpack__(), b"dltensor"), ctypes.POINTER(ctypes.c_void_p))[0]
+    capsule = a.__dlpack__()   # held while its DLManagedTensor is read (its deleter frees it)
+    return ctypes.cast(get(capsule, b"dltensor"), ctypes.POINTER(ctypes.c_void_p))[0]
 
 
 def copy_source() -> str:
