@@ -39,12 +39,6 @@ from .quant import dequantize
 from .weight_stream import load_raw
 
 
-# The products stacked into one launch each where their type and row length agree (Projections):
-# name in the forward -> the layer's tensor.
-ATTENTION_INPUTS = {"q": "attn_q", "k": "attn_k", "gate": "attn_gate", "v": "attn_v"}
-FFN_INPUTS = {"gate": "ffn_gate", "up": "ffn_up"}
-
-
 class Projections(nn.Module):
     """The products of one input: named matrices, those of one type and row length stacked into
     one product (one launch; the blocks themselves unchanged). Returns a Slice per name."""
@@ -52,22 +46,16 @@ class Projections(nn.Module):
     def __init__(self, ops: ReferenceOps, named: dict[str, RawTensor]):
         super().__init__()
         self._ops = ops
-        groups = self.stacked(named)
-        self.products = [ops.matrix([named[n] for n in names]) for names in groups]
+        groups: dict[tuple, list[str]] = {}
+        for name, raw in named.items():
+            groups.setdefault((raw.qtype, raw.shape[0]), []).append(name)
+        self.products = [ops.matrix([named[n] for n in names]) for names in groups.values()]
         self._layout = []   # (product index, name, offset, width)
-        for p, names in enumerate(groups):
+        for p, names in enumerate(groups.values()):
             offset = 0
             for n in names:
                 self._layout.append((p, n, offset, named[n].shape[1]))
                 offset += named[n].shape[1]
-
-    @staticmethod
-    def stacked(named: dict[str, RawTensor]) -> list[list[str]]:
-        """The names in products: those of one type and row length together, in order."""
-        groups: dict[tuple, list[str]] = {}
-        for name, raw in named.items():
-            groups.setdefault((raw.qtype, raw.shape[0]), []).append(name)
-        return list(groups.values())
 
     def __call__(self, h: mx.array) -> dict[str, Slice]:
         outs = [self._ops.project(w, h) for w in self.products]
@@ -96,7 +84,7 @@ class Attention(nn.Module):
         self._ops, self.g, self.layer = ops, g, layer
         self.rope_half = g.rope_dim // 2 if g.is_swa(layer) else 0
         self.attn_norm = _vector(t["attn_norm"])
-        self.wqkgv = Projections(ops, {n: t[k] for n, k in ATTENTION_INPUTS.items()})
+        self.wqkgv = Projections(ops, {"q": t["attn_q"], "k": t["attn_k"], "gate": t["attn_gate"], "v": t["attn_v"]})
         self.q_norm, self.k_norm = _vector(t["attn_q_norm"]), _vector(t["attn_k_norm"])
         self.wo = ops.matrix([t["attn_output"]])
         self.post_norm = _vector(t["post_attention_norm"])
@@ -114,7 +102,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self._ops = ops
         self.ffn_norm = _vector(t["ffn_norm"])
-        self.wgate_up = Projections(ops, {n: t[k] for n, k in FFN_INPUTS.items()})
+        self.wgate_up = Projections(ops, {"gate": t["ffn_gate"], "up": t["ffn_up"]})
         self.wdown = ops.matrix([t["ffn_down"]])
         self.post_norm = _vector(t["post_ffw_norm"])
 
@@ -179,7 +167,6 @@ class Model(nn.Module):
         self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
-        ops.reserve(self._load_units(artifact))
         self.embed = Embedding(t["token_embd.weight"], ops)
         self._loaded(self.embed.parameters())
         artifact.release([t["token_embd.weight"]])   # its bytes are copied: the mapping need not hold them
@@ -198,20 +185,6 @@ class Model(nn.Module):
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
         self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
         mx.eval(self.parameters())
-
-    @staticmethod
-    def _load_units(artifact: Artifact) -> list[list[list[RawTensor]]]:
-        """What loads between two evaluations below, as groups of raw tensors stacked into one
-        array: the embedding; each layer's products (Attention, FeedForward); the LM head."""
-        t, units = artifact.tensors, [[[artifact.tensors["token_embd.weight"]]]]
-        for il in range(artifact.geometry.n_layer):
-            raws = {name: t[f"blk.{il}.{name}.weight"] for name in LAYER_TENSORS}
-            unit = [[raws["attn_output"]], [raws["ffn_down"]]]
-            for inputs in (ATTENTION_INPUTS, FFN_INPUTS):
-                named = {n: raws[k] for n, k in inputs.items()}
-                unit += [[named[n] for n in names] for names in Projections.stacked(named)]
-            units.append(unit)
-        return units + [[[t["output.weight"]]]]
 
     def _loaded(self, parameters) -> None:
         """Evaluate newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,

@@ -127,49 +127,6 @@ def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.a
     return out
 
 
-def upload_raw(raws: list[RawTensor], upload, piece_bytes: int) -> list[mx.array]:
-    """load_raw through `upload` (a kernels.upload.PinnedUpload: the page-locked staging, CUDA): each
-    tensor in row ranges of at most piece_bytes, put together on the device, evaluated."""
-    from .kernels.upload import Piece
-
-    out: list[mx.array | None] = [None] * len(raws)
-    pieces, owners = [], []
-    for i, r in enumerate(raws):
-        if r.path is None or r.offset is None:
-            out[i] = mx.array(np.ascontiguousarray(r.data))
-            continue
-        for part in _pieces(r, min(piece_bytes, upload.half_bytes)):
-            pieces.append(Piece(Path(part.path), part.offset, part.data.nbytes))
-            owners.append((i, part.data.shape))
-    try:
-        loaded = upload.upload(pieces)
-    except OSError as exc:   # the file cut since it was opened
-        raise ArtifactError(raws[0].path, f"cannot read its tensors any more (changed since it was opened?): "
-                            f"{' '.join(str(exc).split())[:200]}") from None
-    parts: dict[int, list[mx.array]] = {}
-    for (i, shape), a in zip(owners, loaded):
-        parts.setdefault(i, []).append(a.reshape(shape))
-    for i, arrays in parts.items():
-        out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
-    return out
-
-
-def device_sizes(groups: list[list[RawTensor]], piece_bytes: int | None) -> tuple[list[int], list[int]]:
-    """The byte sizes of the device arrays that loading `groups` (each a list of raw tensors stacked
-    into one array) makes: (the groups' arrays, which stay; the pieces and per-tensor arrays put
-    together into them, freed once they are)."""
-    kept, passing = [], []
-    for group in groups:
-        kept.append(sum(r.data.nbytes for r in group))
-        for r in group:
-            parts = _pieces(r, piece_bytes)
-            if len(parts) > 1 or len(group) > 1:
-                passing += [p.data.nbytes for p in parts]
-            if len(parts) > 1 and len(group) > 1:
-                passing.append(r.data.nbytes)
-    return kept, passing
-
-
 def nonfinite_flag(raw: RawTensor, array: mx.array) -> mx.array | None:
     """Whether a matrix's raw bytes, loaded as `array` (rows, row_bytes) uint8, hold what the
     artifact's weight scan refuses (artifact.check_matrix_weights: a NaN/Inf element, |w| >= 65,536

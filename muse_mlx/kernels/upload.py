@@ -16,14 +16,6 @@ evaluated.
 The staging is one buffer per process, allocated at its first use and kept, used in two halves:
 the threads fill one while the copies out of the other run. On Apple silicon MLX's arrays live in
 memory the host and the GPU share, so there is nothing to stage (no Metal twin).
-
-MLX's CUDA allocator hands out managed memory (cudaMallocManaged), whose pages the GPU's first
-write faults in one by one: 2 GiB of 16 MiB copies into fresh buffers ran far below the same
-copies into buffers prefetched to the GPU first (18.9 GB/s; docs/ledger.md, 2026-12-02).
-`reserve` makes that the rule for arrays about to be made: buffers of their sizes allocated
-untouched, prefetched to the device (cuMemPrefetchAsync) and freed into MLX's buffer cache, which
-gives a freed buffer to the next allocation of about its size. Both are MLX 0.32 internals: if
-either changes, a reservation costs its own time and nothing else.
 """
 
 from __future__ import annotations
@@ -68,14 +60,6 @@ def _whole(_: int, view: memoryview) -> tuple[int, int]:
     return 0, len(view)
 
 
-class _Location(ctypes.Structure):
-    """CUmemLocation: a device (type 1) and its ordinal."""
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-CU_MEM_LOCATION_TYPE_DEVICE = 1
-
-
 @lru_cache(maxsize=None)
 def _driver() -> ctypes.CDLL:
     """libcuda with the signatures of the calls used here (64-bit pointers need them)."""
@@ -89,8 +73,6 @@ def _driver() -> ctypes.CDLL:
         "cuCtxPopCurrent_v2": [ctypes.POINTER(ptr)],
         "cuMemHostAlloc": [ctypes.POINTER(ptr), ctypes.c_size_t, uint],
         "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), ptr, uint],
-        "cuMemPrefetchAsync_v2": [ctypes.c_uint64, ctypes.c_size_t, _Location, uint, ptr],
-        "cuCtxSynchronize": [],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -109,37 +91,21 @@ class Staging:
     one MLX's runtime uses): `view`, the host's memoryview of it, and `device_address`, the GPU's."""
 
     def __init__(self, nbytes: int):
-        host, device = ctypes.c_void_p(), ctypes.c_uint64(0)
-        with _PrimaryContext() as lib:
-            _call(lib, "cuMemHostAlloc", ctypes.byref(host), nbytes,
-                  CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP)
-            _call(lib, "cuMemHostGetDevicePointer_v2", ctypes.byref(device), host, 0)
-        self.nbytes, self.device_address = nbytes, device.value
-        self.view = memoryview((ctypes.c_uint8 * nbytes).from_address(host.value)).cast("B")
-
-
-class _PrimaryContext:
-    """Device 0's primary context (the one MLX's runtime uses) current on this thread meanwhile."""
-
-    def __enter__(self):
         lib = _driver()
-        dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+        dev, ctx, host, old = ctypes.c_int(0), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        device = ctypes.c_uint64(0)
         _call(lib, "cuInit", 0)
         _call(lib, "cuDeviceGet", ctypes.byref(dev), 0)
         _call(lib, "cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
         _call(lib, "cuCtxPushCurrent_v2", ctx)
-        return lib
-
-    def __exit__(self, *exc):
-        _call(_driver(), "cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
-
-
-def array_address(a: mx.array) -> int:
-    """The data pointer of an evaluated MLX array (DLTensor.data of its DLPack capsule)."""
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    capsule = a.__dlpack__()   # held while its DLManagedTensor is read (its deleter frees it)
-    return ctypes.cast(get(capsule, b"dltensor"), ctypes.POINTER(ctypes.c_void_p))[0]
+        try:
+            _call(lib, "cuMemHostAlloc", ctypes.byref(host), nbytes,
+                  CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP)
+            _call(lib, "cuMemHostGetDevicePointer_v2", ctypes.byref(device), host, 0)
+        finally:
+            _call(lib, "cuCtxPopCurrent_v2", ctypes.byref(old))
+        self.nbytes, self.device_address = nbytes, device.value
+        self.view = memoryview((ctypes.c_uint8 * nbytes).from_address(host.value)).cast("B")
 
 
 def copy_source() -> str:
@@ -211,31 +177,6 @@ class PinnedUpload:
                 finally:
                     mx.eval(pending[0] + pending[1])
         return out
-
-    def reserve(self, sizes: list[int]) -> None:
-        """Device memory for arrays of these byte sizes about to be made (module doc): each
-        allocated untouched (a copy of nothing), prefetched to the GPU, and freed into MLX's cache.
-        A hint: where the driver refuses, a warning, and the arrays are made in fresh memory."""
-        if not sizes:
-            return
-        arrays = [self._copy_nothing(n) for n in sizes]
-        mx.eval(arrays)
-        try:
-            self._prefetch(arrays)
-        except (RuntimeError, AttributeError, OSError) as exc:
-            print(f"warning: device memory not prefetched ({exc})", file=sys.stderr)
-
-    def _copy_nothing(self, nbytes: int) -> mx.array:
-        return _copy_kernel()(inputs=[mx.array([0, 0], dtype=mx.uint64)], output_shapes=[(nbytes,)],
-                              output_dtypes=[mx.uint8], grid=(GROUP, 1, 1), threadgroup=(GROUP, 1, 1),
-                              stream=mx.gpu)[0]
-
-    def _prefetch(self, arrays: list[mx.array]) -> None:
-        with _PrimaryContext() as lib:
-            for a in arrays:
-                _call(lib, "cuMemPrefetchAsync_v2", array_address(a), a.nbytes,
-                      _Location(CU_MEM_LOCATION_TYPE_DEVICE, 0), 0, None)
-            _call(lib, "cuCtxSynchronize")
 
     def _batches(self, pieces: list[Piece]) -> list[tuple[int, list[tuple[int, int]]]]:
         """The pieces in consecutive batches that fill the halves in turn: (half, [(piece index,

@@ -17,7 +17,6 @@ Two regimes, by the number of token rows in the forward (B sequences x T tokens)
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -29,7 +28,6 @@ from ..kernels import Kernels
 from ..kernels import plan as kplan
 from ..kv import SlotCache
 from ..quant import dequantize
-from ..weight_stream import device_sizes, upload_raw
 from .reference import Matrix, ReferenceOps, Slice
 
 
@@ -172,30 +170,12 @@ class GpuOps(ReferenceOps):
     @property
     def upload(self):
         """CUDA with KernelConfig.pinned_upload = 1: the process's page-locked staging
-        (kernels/upload.py) for the weights (in 16 MiB pieces, into memory `reserve` prefetched)
-        and kvpack's restores; else None (mx.load)."""
+        (kernels/upload.py) for kvpack's restores; else None (mx.load). The weights take mx.load
+        in 16 MiB pieces, which loaded them faster (ledger, 2026-12-02, eb3da4d)."""
         if self.backend != "cuda" or not self.kernels.config.pinned_upload:
             return None
         from ..kernels.upload import pinned_upload
         return pinned_upload()
-
-    def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
-        up = self.upload
-        return super()._raw_arrays(raws) if up is None else upload_raw(raws, up, self.raw_piece_bytes)
-
-    def reserve(self, units: list[list[list[RawTensor]]]) -> None:
-        """Through the staging (CUDA): device memory prefetched for every array the weights will keep
-        and for the most pieces of each size any one unit passes through (kernels/upload.py's
-        reserve; a unit's passing arrays are freed when it is evaluated, and reused by the next)."""
-        up = self.upload
-        if up is None:
-            return
-        kept, most = [], Counter()
-        for unit in units:
-            stays, passes = device_sizes(unit, min(self.raw_piece_bytes, up.half_bytes))
-            kept += stays
-            most |= Counter(passes)
-        up.reserve(kept + list(most.elements()))
 
     def _eps_array(self, *values: float) -> mx.array:
         if values not in self._eps:

@@ -148,21 +148,12 @@ class ReferenceOps:
     def load_raw(self, raws: list[RawTensor]) -> list[mx.array]:
         """Each raw tensor's (rows, row_bytes) uint8 bytes on the device (weight_stream.load_raw); for
         each matrix, its weight_stream.nonfinite_flag is added to `weight_flags` (Model checks them)."""
-        arrays = self._raw_arrays(raws)
+        arrays = load_raw(raws, self.raw_piece_bytes)
         for r, a in zip(raws, arrays):
             flag = nonfinite_flag(r, a) if len(r.shape) == 2 else None
             if flag is not None:
                 self.weight_flags.append(flag)
         return arrays
-
-    def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
-        return load_raw(raws, self.raw_piece_bytes)
-
-    def reserve(self, units: list[list[list[RawTensor]]]) -> None:
-        """Before the weights load: `units` are what loads between two evaluations (the embedding, a
-        layer, the LM head), each a list of groups of raw tensors stacked into one array. A backend
-        whose fresh device memory is slow to write sets memory aside for them (GpuOps on CUDA);
-        here, nothing."""
 
     def stack_raw(self, raws: list[RawTensor]) -> mx.array:
         """The raw rows of several matrices of one type and row length, one after another."""

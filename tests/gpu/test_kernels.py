@@ -659,30 +659,6 @@ def test_cached_kernels_compute_what_mlx_compiles(fixture_files, tmp_path, name)
 
 
 @CUDA_ONLY
-def test_reserved_memory_is_what_the_next_copies_get(tmp_path):
-    """kernels/upload.py's reserve: buffers of the pieces' sizes allocated untouched, prefetched to
-    the GPU (the driver accepts every call) and freed; the copies made next land in those very
-    buffers (MLX's cache gave them back: the same addresses) and hold the file's bytes."""
-    from muse_mlx.kernels.upload import Piece, PinnedUpload, array_address
-
-    rng = np.random.default_rng([SEED, 5])
-    sizes = [2**20, 3 * 2**20 + 4096, 2**20]
-    data = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
-    f = tmp_path / "bytes.bin"
-    data.tofile(f)
-    up = PinnedUpload(half_bytes=4 * 2**20)
-    seen = []
-    prefetch = up._prefetch
-    up._prefetch = lambda arrays: (seen.extend(array_address(a) for a in arrays), prefetch(arrays))
-    up.reserve(sizes)
-    offsets = np.cumsum([0] + sizes[:-1])
-    got = up.upload([Piece(f, int(o), n) for o, n in zip(offsets, sizes)])
-    reused = sum(array_address(a) in seen for a in got)
-    same = all(np.array_equal(np.array(a), data[o:o + n]) for a, o, n in zip(got, offsets, sizes))
-    record("reserve", buffers=len(sizes), reused=reused, bytes_equal=same, **{"pass": same and reused == len(sizes)})
-    assert same and reused == len(sizes), (reused, same)
-
-
 def test_pinned_upload_copies_every_byte(tmp_path):
     """kernels/upload.py's copy kernel: pieces at every alignment it branches on (16, 8, other
     bytes), spans starting inside the piece, pieces that fill both halves of a 1 MiB staging:
