@@ -1,6 +1,7 @@
 // GGUF block decoding shared by the kernels (ggml-common.h layouts). Header text, after the dialect map.
 #define LOAD_U4(p) (*((GLOBAL_CONST(uint4)*)(p)))
 #define LOAD_U32(p) (*((GLOBAL_CONST(uint32_t)*)(p)))
+#define LOAD_U2(p) (*((GLOBAL_CONST(uint2)*)(p)))
 #define LOAD_U16(p) (*((GLOBAL_CONST(uint16_t)*)(p)))
 #define LOAD_F4(p) (*((GLOBAL_CONST(float4)*)(p)))
 #define STORE_U4(p, v) (*((GLOBAL(uint4)*)(p)) = (v))
@@ -58,6 +59,13 @@ template <typename WP, typename O> inline uint4 load16_at(WP words, O off) {
   return r;
 }
 
+// 4 bytes at byte offset `off` (a multiple of 2) from `words` (as load16_at), as one word.
+template <typename WP, typename O> inline uint32_t load4_at(WP words, O off) {
+  WP wp = words + (off >> 2);
+  const uint32_t s = uint32_t(off & 3u) * 8u;
+  return s ? FUNNEL_R(wp[0], wp[1], s) : wp[0];
+}
+
 // 8 bytes at byte offset `off` (a multiple of 2) from `words` (as load16_at), as two words.
 template <typename WP, typename O> inline uint2 load8_at(WP words, O off) {
   WP wp = words + (off >> 2);
@@ -66,6 +74,20 @@ template <typename WP, typename O> inline uint2 load8_at(WP words, O off) {
   uint2 r;
   r.x = FUNNEL_R(a, b, s);
   r.y = FUNNEL_R(b, c, s);
+  return r;
+}
+
+// k4_scale_min_words as integers (sc, m).
+inline uint2 k4_scale_min_bits(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
+  uint2 r;
+  if (g < 4) {
+    r.x = (s0 >> (8 * g)) & 63u;
+    r.y = (s1 >> (8 * g)) & 63u;
+  } else {
+    const int k = 8 * (g - 4);
+    r.x = ((s2 >> k) & 15u) | (((s0 >> k) >> 6 & 3u) << 4);
+    r.y = ((s2 >> k) >> 4 & 15u) | (((s1 >> k) >> 6 & 3u) << 4);
+  }
   return r;
 }
 

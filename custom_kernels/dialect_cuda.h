@@ -11,6 +11,7 @@
 #define MAKE_FLOAT2(a, b) make_float2(a, b)
 #define MAKE_FLOAT4(a, b, c, d) make_float4(a, b, c, d)
 #define UNROLL_4 _Pragma("unroll 4")
+#define UNROLL_2 _Pragma("unroll 2")
 #define UNROLL_FULL _Pragma("unroll")
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -53,3 +54,30 @@ __device__ __forceinline__ float4 load_tg_f4(const float* p) {
   return v;
 }
 #define LOAD_TG_F4(p) load_tg_f4(p)
+__device__ __forceinline__ uint4 load_tg_u4(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(uint32_t(__cvta_generic_to_shared(p))));
+  return v;
+}
+#define LOAD_TG_U4(p) load_tg_u4(p)
+#define FLOAT_TO_BITS(x) __float_as_uint(x)
+// a * b + c on two f16 values packed in 32-bit words (low half first), rounded once.
+__device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+#define HFMA2_BITS(a, b, c) hfma2_bits((a), (b), (c))
+// d[0..3] += A B on the tensor cores: mma.m16n8k16, f16 inputs, float32 accumulation (sm_80 on).
+// Fragments as PTX lays them out, lane = 4 g + t: A (16 x 16, row-major) a0 = rows g, columns
+// 2t, 2t+1; a1 = row g + 8, the same columns; a2, a3 = the same rows, columns + 8; B (16 x 8)
+// b0 = rows 2t, 2t+1 of column g, b1 = rows + 8; d0, d1 = row g, columns 2t, 2t+1; d2, d3 = row g + 8.
+// `lane` is for the Metal stand-in.
+__device__ __forceinline__ void mma_16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#define MMA_16816(d, a0, a1, a2, a3, b0, b1, lane) mma_16816((d), (a0), (a1), (a2), (a3), (b0), (b1))

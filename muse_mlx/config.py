@@ -29,6 +29,9 @@ class KernelConfig:
         over its x in threadgroup memory (each pass reads the B rows' x once: more rows, fewer
         reads of threadgroup memory, more registers): 1, 2 or 4, lowered where the rows per step
         or the registers of a threadgroup would not allow it; 0 = the plan's (plan.STREAM_BATCH_RF).
+    stream_mma: the products of 2..4 token rows (a packed step over slots) on CUDA: 1 = on the
+        tensor cores (matvec_stream.inc's mma form: the weights as exact f16, x as two f16
+        halves, float32 accumulation), 0 = x_shared (float32 FMAs). Metal takes x_shared.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -44,13 +47,14 @@ class KernelConfig:
     stream_groups: int = 0
     stream_batch: int = 4
     stream_batch_rf: int = 0
+    stream_mma: int = 1
     prefill_f16: int = 1
     pinned_upload: int = 1
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
-                  "stream_batch_rf": (0, 4), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
+                  "stream_batch_rf": (0, 4), "stream_mma": (0, 1), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

@@ -66,7 +66,8 @@ typedef unsigned long ulong;
 typedef unsigned short ushort;
 typedef _Float16 half;
 template <class T, class U> T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "size"); T t; std::memcpy(&t, &u, sizeof t); return t; }
-namespace metal { using std::exp; using std::sqrt; using std::max; using std::min; inline float rsqrt(float x) { return 1.0f / std::sqrt(x); } }
+namespace metal { using std::exp; using std::sqrt; using std::max; using std::min; inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+                  inline _Float16 fma(_Float16 a, _Float16 b, _Float16 c) { return (_Float16)std::fma(double(a), double(b), double(c)); } }
 struct float2 { float x, y; float2(float a, float b) : x(a), y(b) {} };
 struct float4 { float x, y, z, w; float4() = default; float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {} };
 struct uint2 { uint32_t x, y; };
@@ -74,7 +75,7 @@ struct uint4 { uint32_t x, y, z, w; uint4() = default; uint4(uint32_t a, uint32_
 struct emu_uint3 { uint32_t x, y, z; };
 thread_local emu_uint3 thread_position_in_threadgroup, threadgroup_position_in_grid, threadgroups_per_grid;
 thread_local uint32_t thread_index_in_simdgroup, simdgroup_index_in_threadgroup;
-struct EmuWarp { std::barrier<> bar{32}; float slot[32]; };
+struct EmuWarp { std::barrier<> bar{32}; float slot[32]; uint32_t uslot[32]; };
 thread_local EmuWarp* emu_warp;
 thread_local std::barrier<>* emu_group;
 inline float simd_sum(float v) {
@@ -95,6 +96,11 @@ inline float simd_shuffle_xor(float v, ushort m) {
 inline float simd_shuffle(float v, ushort l) {
   emu_warp->slot[thread_index_in_simdgroup] = v; emu_warp->bar.arrive_and_wait();
   const float r = emu_warp->slot[l & 31u];
+  emu_warp->bar.arrive_and_wait(); return r;
+}
+inline uint32_t simd_shuffle(uint32_t v, ushort l) {
+  emu_warp->uslot[thread_index_in_simdgroup] = v; emu_warp->bar.arrive_and_wait();
+  const uint32_t r = emu_warp->uslot[l & 31u];
   emu_warp->bar.arrive_and_wait(); return r;
 }
 namespace mem_flags { constexpr int mem_threadgroup = 0; }

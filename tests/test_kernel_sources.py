@@ -195,6 +195,32 @@ def test_batched_stream_rows_per_pass():
                 assert used * plan.stream_threads(k) <= plan.GROUP_REGISTERS, (qtype, b, rf, k)
 
 
+def test_tensor_core_plans_fit_the_hardware():
+    """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
+    of K fit one part up to K = 6,656 (13 warps of 8 units; 16 of 4 at 4,096), the FFN down
+    product's 19,968 takes two parts of 156 units; threadgroup memory, threads and registers
+    fit a multiprocessor. Metal's plans keep x_shared, and so does stream_mma=0 on CUDA."""
+    from muse_mlx.kernels import Kernels
+    h200 = Device("cuda", 132, 232448)
+    for k, warps, parts in ((4096, 16, 1), (6656, 13, 1), (19968, 13, 2)):
+        for b in (2, 3, 4):
+            p = plan.mma_plan(QT.Q4_K, k, 6656, b, h200, KernelConfig())
+            assert (p.warps, p.parts) == (warps, parts), (k, b, p)
+            assert p.memory == plan.MMA_UNIT_BYTES * k // 64 // parts + 32
+            per_sm = -(-p.groups * p.parts // h200.cores)
+            assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
+            assert per_sm * 32 * p.warps * plan.MMA_REGISTERS <= plan.GROUP_REGISTERS
+            name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, "_silu", k, h200, KernelConfig(), b, 2 * k)
+            assert name == "matvec_mma_silu_q6_k" and memory == p.memory
+            assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
+            assert launch["grid"][1] == parts
+    assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None
+    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 5, h200, KernelConfig()) is None
+    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 2)
+    assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)
+    assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
+
+
 def test_kernel_config_parses_and_rejects():
     """--kernel-config: defaults, values, and one clear error for each kind of mistake."""
     assert KernelConfig.parse("") == KernelConfig()

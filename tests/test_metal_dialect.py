@@ -29,9 +29,11 @@ SHIM = """
 #define constant
 #define threadgroup
 typedef unsigned long ulong;
+typedef unsigned short ushort;
 typedef _Float16 half;
 template <class T, class U> T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "size"); T t; std::memcpy(&t, &u, sizeof t); return t; }
-namespace metal { using std::exp; using std::sqrt; using std::max; inline float rsqrt(float x) { return 1.0f / std::sqrt(x); } }
+namespace metal { using std::exp; using std::sqrt; using std::max; inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+                  inline half fma(half a, half b, half c) { return (half)std::fma(double(a), double(b), double(c)); } }
 struct float2 { float x, y; float2(float a, float b) : x(a), y(b) {} };
 struct float4 { float x, y, z, w; float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {} };
 struct uint2 { uint32_t x, y; };
@@ -40,6 +42,7 @@ inline float simd_sum(float v) { return v; }
 inline float simd_max(float v) { return v; }
 inline float simd_shuffle_xor(float v, unsigned short) { return v; }
 inline float simd_shuffle(float v, unsigned short) { return v; }
+inline uint32_t simd_shuffle(uint32_t v, unsigned short) { return v; }
 """
 
 MAIN = """
@@ -58,6 +61,7 @@ int main() {
       const uint2 h = load8_at((const uint32_t*)words, (uint64_t)off);
       std::printf("%u %u %u %u %u %u\\n", q.x, q.y, q.z, q.w, h.x, h.y);
     }
+    else if (!std::strcmp(op, "hfma")) { uint32_t a, b, c; std::scanf("%u %u %u", &a, &b, &c); std::printf("%u\\n", HFMA2_BITS(a, b, c)); }
     else if (!std::strcmp(op, "scale")) {  // k4_scale_min_sel from three words, group g
       uint32_t s0, s1, s2; int g; std::scanf("%u %u %u %d", &s0, &s1, &s2, &g);
       const float2 r = k4_scale_min_sel(g, s0, s1, s2); std::printf("%g %g\\n", r.x, r.y);
@@ -140,3 +144,23 @@ def test_q4_k_scale_unpacking(metal_helpers):
     got = metal_helpers(lines)
     want = [get_scale_min_k4(g, q) for q in blocks for g in range(8)]
     assert [tuple(int(float(v)) for v in x.split()) for x in got] == want
+
+
+def test_q4_k_products_in_f16_are_exact(metal_helpers):
+    """The tensor-core form's Q4_K A values: the nibble q under 0x6400 (the f16 1024 + q) times sc,
+    plus -1024 sc, in one f16x2 FMA, is q * sc exactly for every nibble and 6-bit scale (the
+    CUDA dialect's fma.rn.f16x2 rounds once, as this stand-in does); and sc itself from
+    1024 + sc the same way. numpy's float16 is the oracle."""
+    import numpy as np
+    bits = lambda v: int(np.float16(v).view(np.uint16))
+    lines, want = [], []
+    for sc in range(64):
+        for q in range(0, 16, 2):
+            a = (0x6400 | q) | ((0x6400 | (q + 1)) << 16)
+            b = bits(sc) * 0x10001
+            c = bits(-1024.0 * sc) * 0x10001
+            lines.append(f"hfma {a} {b} {c}")
+            want.append(bits(q * sc) | (bits((q + 1) * sc) << 16))
+        lines.append(f"hfma {0x64006400 | sc * 0x10001} {0x3C003C00} {0xE400E400}")
+        want.append(bits(sc) * 0x10001)
+    assert [int(x) for x in metal_helpers(lines)] == want

@@ -87,6 +87,55 @@ def test_streaming_matvec_rows_decoded_per_pass(metal, qtype, rf):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("b, n, k", [(3, 37, 768), (4, 17, 1280), (1, 5, 256), (2, 40, 512)])
+def test_tensor_core_matvec(qtype, b, n, k):
+    """The tensor-core form (mma_*: what CUDA runs for 2..4 rows) with the Metal dialect's
+    shuffle stand-in for mma.m16n8k16, which follows PTX's fragment layout: rows past a whole
+    tile (37, 17), a tile split between two threadgroups' turns, 1,280 = 5 blocks (Q6_K rows
+    off 4-byte boundaries), one row of x. x keeps ~22 bits (two f16 halves), so the products sit
+    near float32's (the x_shared checks' bound)."""
+    kernels = emulated_kernels(KernelConfig(stream_groups=2))
+    rng = np.random.default_rng([b, n, k, int(qtype), 21])
+    w = random_blocks(n, k, qtype, rng)
+    x = (rng.standard_normal((b, k)) * np.exp(rng.uniform(-6, 6, (b, 1)))).astype(np.float32)
+    out = np.array(kernels.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
+    W = dense(w, qtype, n, k)
+    assert out.shape == (b, n) and np.isfinite(out).all()
+    assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_tensor_core_matvec_silu_in_parts(qtype):
+    """The FFN down form of the tensor-core kernel with K in parts (grid y: Metal's 32 KB of
+    threadgroup memory holds 2,048 values' fragments only in four), their products added."""
+    kernels = emulated_kernels(KernelConfig(stream_groups=2))
+    n, k, b = 21, 2048, 3
+    assert plan.mma_plan(qtype, k, n, b, kernels.device, kernels.config).parts > 1
+    rng = np.random.default_rng([n, k, int(qtype), 22])
+    w = random_blocks(n, k, qtype, rng)
+    gu = (2 * rng.standard_normal((b, 2 * k))).astype(np.float32)
+    out = np.array(kernels.matvec_mma(mx.array(w), qtype, [mx.array(gu), mx.array(gu)], up_offset=k,
+                                      init_value=NAN))
+    g64, u64 = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
+    act = g64 / (1 + np.exp(-g64)) * u64
+    W = dense(w, qtype, n, k)
+    assert out.shape == (b, n) and np.isfinite(out).all()
+    assert err_over_terms(out, act @ W.T, np.abs(act) @ np.abs(W).T) < 1e-6
+
+
+def test_tensor_core_matvec_carries_non_finite_x():
+    """An infinite or NaN x gives non-finite products (the engine refuses non-finite logits),
+    not finite garbage from the f16 scaling."""
+    kernels = emulated_kernels(KernelConfig(stream_groups=1))
+    rng = np.random.default_rng(23)
+    w = random_blocks(16, 256, QT.Q4_K, rng)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    x[0, 7], x[1, 200] = np.inf, np.nan
+    out = np.array(kernels.matvec_mma(mx.array(w), QT.Q4_K, [mx.array(x)], init_value=0.0))
+    assert not np.isfinite(out[0]).any() and not np.isfinite(out[1]).any()
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_streaming_matvec_silu_rows(metal, qtype):
     """The FFN down projection for 3 token rows of one stacked gate|up output (rows 2k apart)."""
     n, k, b = 13, 512, 3

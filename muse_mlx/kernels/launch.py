@@ -59,6 +59,8 @@ class Kernels:
             raise ValueError(f"matvec takes 1..{plan.MAX_BATCH} rows, got {B}")
         x = x.astype(mx.float32)
         N = w.shape[0]
+        if B > 1 and self._takes_mma(qtype, K, N, B):
+            return self.matvec_mma(w, qtype, [x], init_value=init_value)
         if plan.streams(qtype, K) and (B == 1 or plan.stream_batch_rows(K, self.device, self.config)):
             return self._stream(w, qtype, K, N, "", [x], 0, init_value)
         name, launch = plan.batch_launch(qtype, K, N, B)
@@ -67,6 +69,27 @@ class Kernels:
             return self.kernel(name)(inputs=[w, x, xs], init_value=init_value, **launch)[0]
         weights = w.view(plan.FLOAT_DTYPES[qtype]).reshape(N, K)
         return self.kernel(name)(inputs=[weights, x], init_value=init_value, **launch)[0]
+
+    def _takes_mma(self, qtype: QT, K: int, N: int, B: int) -> bool:
+        """Whether B > 1 rows take the tensor-core form: on CUDA, with config.stream_mma, where it applies."""
+        return (self.device.backend == "cuda" and bool(self.config.stream_mma)
+                and plan.mma_plan(qtype, K, N, B, self.device, self.config) is not None)
+
+    def matvec_mma(self, w: mx.array, qtype: QT, xs: list[mx.array], up_offset: int = 0,
+                   init_value: float | None = None) -> mx.array:
+        """The tensor-core form (matvec_stream.inc, mma_*) over 1..4 rows of x, on any backend
+        (Metal runs it through a slow stand-in for the mma; its plans choose x_shared): xs = [x]
+        (B, K), or [gate, up] for W @ (silu(gate) * up) as matvec_silu. -> (B, N) float32."""
+        K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
+        B, stride = xs[0].shape
+        act = "_silu" if len(xs) == 2 else ""
+        if plan.mma_plan(qtype, K, w.shape[0], B, self.device, self.config) is None:
+            raise ValueError(f"the tensor-core matvec does not take {qtype.name} with K = {K} and {B} rows")
+        name, memory, launch = plan.mma_launch(qtype, K, w.shape[0], act, up_offset, self.device, self.config, B,
+                                               stride)
+        xs = [a.astype(mx.float32) for a in xs]
+        y = self.kernel(name, memory)(inputs=[w, *xs], init_value=init_value, **launch)[0]
+        return y if y.ndim == 2 else y.sum(axis=0)
 
     def dequantize(self, w: mx.array, qtype: QT, K: int, init_value: float | None = None) -> mx.array:
         """The raw GGUF rows (N, row_bytes) uint8 of a quantized type -> (N, K) float16: gguf-py's
@@ -83,6 +106,8 @@ class Kernels:
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         if gate.shape != up.shape:
             raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
+        if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
+            return self.matvec_mma(w, qtype, [gate, up], up_offset, init_value)
         return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
 
     def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,

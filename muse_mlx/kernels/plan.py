@@ -140,6 +140,76 @@ def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: D
         output_dtypes=[mx.float32], stream=mx.gpu)
 
 
+# The tensor-core form (matvec_stream.inc, mma_*): x's fragments, 1,056 bytes a 64-value unit of K
+# (1,024 of fragments, 32 of group sums), in dynamic threadgroup memory; red[2][NW][128] and
+# tmax[NW][4] static, per warp.
+MMA_UNIT_BYTES = 1056
+MMA_WARP_BYTES = 2 * 128 * 4 + 16
+MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
+MMA_MAX_WARPS = 16
+MMA_REGISTERS = 128       # a thread at most (ptxas, sm_90a, NVRTC: see docs/kernels.md)
+SM_THREADS = 2048
+
+
+class MmaPlan(NamedTuple):
+    warps: int       # NW: warps a threadgroup, splitting a part's units of K
+    parts: int       # KP: parts of K (grid y), each with its own fragments; > 1 adds their products
+    groups: int      # threadgroups in x (per part), each taking tiles of 16 rows g, g + groups, ...
+    memory: int      # dynamic threadgroup memory, bytes
+
+
+def _mma_warps(units: int) -> int:
+    """The warps that split `units` with the fewest idle (the most on a tie), at most MMA_MAX_WARPS."""
+    return min(range(1, min(units, MMA_MAX_WARPS) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
+
+
+@lru_cache(maxsize=None)
+def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig) -> MmaPlan | None:
+    """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
+    not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
+    fragments that no part count up to 8 fits into threadgroup memory). K is split into the
+    fewest parts (whole blocks each) whose fragments fit; the threadgroups fill the
+    multiprocessors as far as their memory, threads and registers allow."""
+    if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
+        return None
+    units = K // 64
+    for parts in range(1, 9):
+        if units % parts or (units // parts) % 4:
+            continue
+        upp = units // parts
+        warps = _mma_warps(upp)
+        memory = MMA_UNIT_BYTES * upp + 32
+        static = MMA_WARP_BYTES * warps
+        if memory + static <= device.group_memory:
+            break
+    else:
+        return None
+    tiles = -(-N // 16)
+    if config.stream_groups:
+        groups = config.stream_groups
+    else:
+        threads = 32 * warps
+        per_core = max(1, min(device.group_memory // (memory + static), SM_THREADS // threads,
+                              GROUP_REGISTERS // (threads * MMA_REGISTERS)))
+        groups = max(1, device.cores * per_core // parts)
+    return MmaPlan(warps, parts, min(tiles, groups), memory)
+
+
+@lru_cache(maxsize=None)
+def mma_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Device, config: KernelConfig,
+               B: int, row_stride: int = 0) -> tuple[str, int, dict]:
+    """(kernel name, its threadgroup memory in bytes, launch keywords) of the tensor-core form over
+    B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
+    p = mma_plan(qtype, K, N, B, device, config)
+    template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KP", p.parts),
+                ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
+    template += [("UP_OFF", up_offset)] if act else []
+    shape = (B, N) if p.parts == 1 else (p.parts, B, N)
+    return f"matvec_mma{act}_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
+        template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
+        output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
+
+
 @lru_cache(maxsize=None)
 def batch_launch(qtype: QT, K: int, N: int, B: int) -> tuple[str, dict]:
     """(kernel name, launch keywords) of matvec.inc over B rows of x."""

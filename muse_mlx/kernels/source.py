@@ -36,6 +36,12 @@ KERNELS = {
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
        for where, keep in (("", "registers"), ("_shared", "shared"))
        for v in STREAM_FORMATS},
+    # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
+    # mma.m16n8k16, x's fragments in threadgroup memory; _silu as above
+    **{f"matvec_mma{act}_{v}": ("matvec_stream", [xs, f"mma_{v}", "mma_prologue", f"mma_{v}_unit", "mma_close"],
+                                ["w", *inputs], ["y"])
+       for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+       for v in STREAM_FORMATS},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)

@@ -311,12 +311,36 @@ def test_matvec_stream_other_shapes(qtype, shape, groups):
 @pytest.mark.parametrize("shape", [(6656, 19968), (8448, 6656), (6656, 4096), (256, 6656), (37, 768)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("batch", [2, 3, 4])
-def test_matvec_stream_rows(qtype, shape, batch):
-    """Several rows of x through the streaming kernel with x in threadgroup memory (the packed
-    step over 2..4 slots): at K = 19,968 two rows fit a threadgroup (3 and 4 rows: two launches)."""
+@pytest.mark.parametrize("mma", [1, 0], ids=["mma", "x_shared"])
+def test_matvec_stream_rows(qtype, shape, batch, mma):
+    """Several rows of x (the packed step over 2..4 slots) on the tensor cores (stream_mma=1, the
+    default: at K = 19,968 in two parts of K) and through the streaming kernel with x in
+    threadgroup memory (stream_mma=0: at K = 19,968 two rows fit a threadgroup, so 3 and 4 rows
+    take two launches)."""
     n, k = shape
+    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=mma))
+    assert kernels._takes_mma(qtype, k, n, batch) == bool(mma)
     check_matvec("matvec_stream_rows", qtype, n, k, batch, np.random.default_rng([SEED, n, k, batch, int(qtype), 3]),
+                 kernels=kernels, stream_mma=mma,
                  rows_per_launch=plan.stream_batch_rows(k, KERNELS.device, KERNELS.config))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
+    """The tensor-core form with rows of x 1e-6 to 1e6 in size (each row scaled to f16's range
+    by its own power of two), against float64, within the float32 checks' bound."""
+    n, k = 8448, 6656
+    rng = np.random.default_rng([SEED, n, k, int(qtype), rows, 9])
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    x = (rng.standard_normal((rows, k)) * np.logspace(-6, 6, rows)[:, None]).astype(np.float32)
+    out = np.array(KERNELS.matvec_mma(w, qtype, [mx.array(x)], init_value=float("nan"))).astype(np.float64)
+    dense = np.array(dequantize(w, qtype)).astype(np.float64)
+    x64 = x.astype(np.float64)
+    err = max(product_err(out[r], x64[r] @ dense.T, np.abs(x64[r]) @ np.abs(dense).T) for r in range(rows))
+    ok = bool(np.isfinite(out).all() and err < 1e-5)
+    record("matvec_mma_scales", qtype=qtype.name, n=n, k=k, rows=rows, err_over_terms=err, **{"pass": ok})
+    assert ok, err
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
