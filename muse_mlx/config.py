@@ -29,9 +29,14 @@ class KernelConfig:
         over its x in threadgroup memory (each pass reads the B rows' x once: more rows, fewer
         reads of threadgroup memory, more registers): 1, 2 or 4, lowered where the rows per step
         or the registers of a threadgroup would not allow it; 0 = the plan's (plan.STREAM_BATCH_RF).
-    stream_mma: the products of 2..4 token rows (a packed step over slots) on CUDA: 1 = on the
-        tensor cores (matvec_stream.inc's mma form: the weights as exact f16, x as two f16
-        halves, float32 accumulation), 0 = x_shared (float32 FMAs). Metal takes x_shared.
+    stream_mma: the fewest token rows (2..4; a packed step over slots) whose products take the
+        tensor cores on CUDA (matvec_stream.inc's mma form: the weights as exact f16, x as two
+        f16 halves, float32 accumulation); fewer rows take x_shared (float32 FMAs); 0 = never.
+        3 by measurement (H200, c11a8bd: the mma form's products take the same time at 2, 3
+        and 4 rows, more than x_shared's at 2). Metal takes x_shared.
+    mma_warps: the most warps a threadgroup of the mma form splits K's units between (the plan
+        takes the count with the fewest idle, the most on a tie; never more than a
+        multiprocessor's registers hold); 0 = 16.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -47,18 +52,21 @@ class KernelConfig:
     stream_groups: int = 0
     stream_batch: int = 4
     stream_batch_rf: int = 0
-    stream_mma: int = 1
+    stream_mma: int = 3
+    mma_warps: int = 0
     prefill_f16: int = 1
     pinned_upload: int = 1
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
-                  "stream_batch_rf": (0, 4), "stream_mma": (0, 1), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
+                  "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise MuseError(f"kernel config {name} must be an integer {lo}..{hi}, got {value!r}")
+        if self.stream_mma == 1:
+            raise MuseError("kernel config stream_mma must be 0 (never) or 2..4 rows, got 1 (one row keeps x in registers)")
         if self.stream_batch_rf & (self.stream_batch_rf - 1):
             raise MuseError(f"kernel config stream_batch_rf must be 0, 1, 2 or 4, got {self.stream_batch_rf}")
 

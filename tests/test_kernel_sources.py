@@ -209,15 +209,22 @@ def test_tensor_core_plans_fit_the_hardware():
             assert p.memory == plan.MMA_UNIT_BYTES * k // 64 // parts + 32
             per_sm = -(-p.groups * p.parts // h200.cores)
             assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
-            assert per_sm * 32 * p.warps * plan.MMA_REGISTERS <= plan.GROUP_REGISTERS
+            assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[QT.Q4_K, ""] <= plan.GROUP_REGISTERS
             name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, "_silu", k, h200, KernelConfig(), b, 2 * k)
             assert name == "matvec_mma_silu_q6_k" and memory == p.memory
             assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
             assert launch["grid"][1] == parts
     assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 5, h200, KernelConfig()) is None
-    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 2)
-    assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)
+    assert not Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 2)    # the default: from 3 rows on
+    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 3) and Kernels(h200)._takes_mma(QT.Q6_K, 19968, 6656, 4, "_silu")
+    assert Kernels(h200, KernelConfig(stream_mma=2))._takes_mma(QT.Q4_K, 6656, 6656, 2)
+    assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 4)
+    # asked-for warps, capped by the registers a multiprocessor holds
+    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=26)).warps == 26
+    for (qtype, act), regs in plan.MMA_REGISTERS.items():
+        p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32), act)
+        assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
 
@@ -229,7 +236,8 @@ def test_kernel_config_parses_and_rejects():
     for bad, fragment in [("ring_chunk", "name=value"), ("rows=8", "name=value"), ("ring_chunk=x", "integer"),
                           ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0.."),
                           ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2 or 4"),
-                          ("stream_batch_rf=8", "0..4")]:
+                          ("stream_batch_rf=8", "0..4"), ("stream_mma=1", "0 \\(never\\)"),
+                          ("stream_mma=5", "0..4"), ("mma_warps=33", "0..32")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

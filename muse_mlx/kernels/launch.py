@@ -70,10 +70,10 @@ class Kernels:
         weights = w.view(plan.FLOAT_DTYPES[qtype]).reshape(N, K)
         return self.kernel(name)(inputs=[weights, x], init_value=init_value, **launch)[0]
 
-    def _takes_mma(self, qtype: QT, K: int, N: int, B: int) -> bool:
-        """Whether B > 1 rows take the tensor-core form: on CUDA, with config.stream_mma, where it applies."""
-        return (self.device.backend == "cuda" and bool(self.config.stream_mma)
-                and plan.mma_plan(qtype, K, N, B, self.device, self.config) is not None)
+    def _takes_mma(self, qtype: QT, K: int, N: int, B: int, act: str = "") -> bool:
+        """Whether B > 1 rows take the tensor-core form: on CUDA, from config.stream_mma rows on, where it applies."""
+        return (self.device.backend == "cuda" and 2 <= self.config.stream_mma <= B
+                and plan.mma_plan(qtype, K, N, B, self.device, self.config, act) is not None)
 
     def matvec_mma(self, w: mx.array, qtype: QT, xs: list[mx.array], up_offset: int = 0,
                    init_value: float | None = None) -> mx.array:
@@ -83,7 +83,7 @@ class Kernels:
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         B, stride = xs[0].shape
         act = "_silu" if len(xs) == 2 else ""
-        if plan.mma_plan(qtype, K, w.shape[0], B, self.device, self.config) is None:
+        if plan.mma_plan(qtype, K, w.shape[0], B, self.device, self.config, act) is None:
             raise ValueError(f"the tensor-core matvec does not take {qtype.name} with K = {K} and {B} rows")
         name, memory, launch = plan.mma_launch(qtype, K, w.shape[0], act, up_offset, self.device, self.config, B,
                                                stride)
@@ -106,7 +106,7 @@ class Kernels:
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         if gate.shape != up.shape:
             raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
-        if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
+        if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0], "_silu"):
             return self.matvec_mma(w, qtype, [gate, up], up_offset, init_value)
         return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
 

@@ -146,8 +146,11 @@ def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: D
 MMA_UNIT_BYTES = 1056
 MMA_WARP_BYTES = 2 * 128 * 4 + 16
 MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
-MMA_MAX_WARPS = 16
-MMA_REGISTERS = 128       # a thread at most (ptxas, sm_90a, NVRTC: see docs/kernels.md)
+MMA_MAX_WARPS = 16        # the plan's own choice at most (config.mma_warps may ask up to 32)
+# Registers a thread by (type, form): Q4_K plain 78 is MLX's NVRTC build (ncu, H200, c11a8bd);
+# the others are local nvcc's (sm_90a), NVRTC's having run higher for other kernels
+# (docs/kernels.md). A threadgroup's warps are capped so that they fit GROUP_REGISTERS.
+MMA_REGISTERS = {(QT.Q4_K, ""): 78, (QT.Q4_K, "_silu"): 91, (QT.Q6_K, ""): 64, (QT.Q6_K, "_silu"): 64}
 SM_THREADS = 2048
 
 
@@ -158,13 +161,13 @@ class MmaPlan(NamedTuple):
     memory: int      # dynamic threadgroup memory, bytes
 
 
-def _mma_warps(units: int) -> int:
-    """The warps that split `units` with the fewest idle (the most on a tie), at most MMA_MAX_WARPS."""
-    return min(range(1, min(units, MMA_MAX_WARPS) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
+def _mma_warps(units: int, limit: int) -> int:
+    """The warps (at most `limit`) that split `units` with the fewest idle, the most on a tie."""
+    return min(range(1, min(units, limit) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
 
 
 @lru_cache(maxsize=None)
-def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig) -> MmaPlan | None:
+def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig, act: str = "") -> MmaPlan | None:
     """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
     not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
     fragments that no part count up to 8 fits into threadgroup memory). K is split into the
@@ -173,11 +176,12 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
+    regs = MMA_REGISTERS[qtype, act]
     for parts in range(1, 9):
         if units % parts or (units // parts) % 4:
             continue
         upp = units // parts
-        warps = _mma_warps(upp)
+        warps = _mma_warps(upp, min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * regs)))
         memory = MMA_UNIT_BYTES * upp + 32
         static = MMA_WARP_BYTES * warps
         if memory + static <= device.group_memory:
@@ -190,7 +194,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     else:
         threads = 32 * warps
         per_core = max(1, min(device.group_memory // (memory + static), SM_THREADS // threads,
-                              GROUP_REGISTERS // (threads * MMA_REGISTERS)))
+                              GROUP_REGISTERS // (threads * regs)))
         groups = max(1, device.cores * per_core // parts)
     return MmaPlan(warps, parts, min(tiles, groups), memory)
 
@@ -200,7 +204,7 @@ def mma_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Devi
                B: int, row_stride: int = 0) -> tuple[str, int, dict]:
     """(kernel name, its threadgroup memory in bytes, launch keywords) of the tensor-core form over
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
-    p = mma_plan(qtype, K, N, B, device, config)
+    p = mma_plan(qtype, K, N, B, device, config, act)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KP", p.parts),
                 ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     template += [("UP_OFF", up_offset)] if act else []
