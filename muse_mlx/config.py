@@ -36,7 +36,7 @@ class KernelConfig:
         and 4 rows, more than x_shared's at 2). Metal takes x_shared.
     mma_warps: the most warps a threadgroup of the mma form splits K's units between (the plan
         takes the count with the fewest idle, the most on a tie; never more than a
-        multiprocessor's registers hold); 0 = 16.
+        multiprocessor's registers hold); 0 = 32.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and

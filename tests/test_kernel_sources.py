@@ -197,12 +197,13 @@ def test_batched_stream_rows_per_pass():
 
 def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
-    of K fit one part up to K = 6,656 (13 warps of 8 units; 16 of 4 at 4,096), the FFN down
-    product's 19,968 takes two parts of 156 units; threadgroup memory, threads and registers
-    fit a multiprocessor. Metal's plans keep x_shared, and so does stream_mma=0 on CUDA."""
+    of K fit one part up to K = 6,656 (26 warps of 4 units; 16 of 4 at 4,096), the FFN down
+    product's 19,968 takes two parts of 156 units (13 warps for Q4_K's silu form, whose 113
+    registers allow 18, 26 for Q6_K's); threadgroup memory, threads and registers fit a
+    multiprocessor. Metal's plans keep x_shared, and so does stream_mma=0 on CUDA."""
     from muse_mlx.kernels import Kernels
     h200 = Device("cuda", 132, 232448)
-    for k, warps, parts in ((4096, 16, 1), (6656, 13, 1), (19968, 13, 2)):
+    for k, warps, parts in ((4096, 16, 1), (6656, 26, 1), (19968, 26, 2)):
         for b in (2, 3, 4):
             p = plan.mma_plan(QT.Q4_K, k, 6656, b, h200, KernelConfig())
             assert (p.warps, p.parts) == (warps, parts), (k, b, p)
@@ -221,7 +222,9 @@ def test_tensor_core_plans_fit_the_hardware():
     assert Kernels(h200, KernelConfig(stream_mma=2))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 4)
     # asked-for warps, capped by the registers a multiprocessor holds
-    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=26)).warps == 26
+    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16)).warps == 13
+    assert plan.mma_plan(QT.Q6_K, 19968, 6656, 4, h200, KernelConfig(), "_silu").warps == 26
+    assert plan.mma_plan(QT.Q4_K, 19968, 6656, 4, h200, KernelConfig(), "_silu").warps == 13
     for (qtype, act), regs in plan.MMA_REGISTERS.items():
         p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32), act)
         assert 32 * p.warps * regs <= plan.GROUP_REGISTERS

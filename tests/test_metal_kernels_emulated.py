@@ -111,16 +111,27 @@ def test_tensor_core_matvec_silu_in_parts(qtype):
     kernels = emulated_kernels(KernelConfig(stream_groups=2))
     n, k, b = 21, 2048, 3
     assert plan.mma_plan(qtype, k, n, b, kernels.device, kernels.config).parts > 1
-    rng = np.random.default_rng([n, k, int(qtype), 22])
-    w = random_blocks(n, k, qtype, rng)
-    gu = (2 * rng.standard_normal((b, 2 * k))).astype(np.float32)
-    out = np.array(kernels.matvec_mma(mx.array(w), qtype, [mx.array(gu), mx.array(gu)], up_offset=k,
-                                      init_value=NAN))
-    g64, u64 = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
-    act = g64 / (1 + np.exp(-g64)) * u64
-    W = dense(w, qtype, n, k)
-    assert out.shape == (b, n) and np.isfinite(out).all()
-    assert err_over_terms(out, act @ W.T, np.abs(act) @ np.abs(W).T) < 1e-6
+    check_silu_rows(lambda w, gu: kernels.matvec_mma(w, qtype, [gu, gu], up_offset=k, init_value=NAN),
+                    qtype, n, k, b, 22)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_tensor_core_matvec_many_warps(qtype):
+    """26 warps a threadgroup of four units each (the H200's plan at K = 6,656), on a device with
+    room for their reduction buffers; and 20 warps of two units (2,560)."""
+    from muse_mlx.kernels import Device, Kernels
+    from metal_emulator import EmulatedKernel
+    big = Kernels(Device("metal", 4, 1 << 20), KernelConfig(stream_groups=2),
+                  build=lambda name, which, shared: EmulatedKernel(name))
+    for n, k, warps in ((19, 6656, 26), (16, 2560, 20)):
+        assert plan.mma_plan(qtype, k, n, 4, big.device, big.config).warps == warps
+        rng = np.random.default_rng([n, k, int(qtype), 24])
+        w = random_blocks(n, k, qtype, rng)
+        x = rng.standard_normal((4, k)).astype(np.float32)
+        out = np.array(big.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
+        W = dense(w, qtype, n, k)
+        assert np.isfinite(out).all()
+        assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
 
 
 def test_tensor_core_matvec_carries_non_finite_x():
@@ -138,12 +149,16 @@ def test_tensor_core_matvec_carries_non_finite_x():
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_streaming_matvec_silu_rows(metal, qtype):
     """The FFN down projection for 3 token rows of one stacked gate|up output (rows 2k apart)."""
-    n, k, b = 13, 512, 3
-    rng = np.random.default_rng([n, k, int(qtype), 11])
+    n, k = 13, 512
+    check_silu_rows(lambda w, gu: metal.matvec_silu(w, qtype, gu, gu, up_offset=k, init_value=NAN), qtype, n, k, 3, 11)
+
+
+def check_silu_rows(run, qtype, n: int, k: int, b: int, seed: int) -> None:
+    """run(w, gu) on b rows of one stacked gate|up output against float64 W @ (silu(gate) * up)."""
+    rng = np.random.default_rng([n, k, int(qtype), seed])
     w = random_blocks(n, k, qtype, rng)
     gu = (2 * rng.standard_normal((b, 2 * k))).astype(np.float32)
-    out = np.array(metal.matvec_silu(mx.array(w), qtype, mx.array(gu), mx.array(gu), up_offset=k,
-                                       init_value=NAN))
+    out = np.array(run(mx.array(w), mx.array(gu)))
     g64, u64 = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
     act = g64 / (1 + np.exp(-g64)) * u64
     W = dense(w, qtype, n, k)
