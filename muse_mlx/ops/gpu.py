@@ -96,14 +96,20 @@ class DecodeStep:
         With B = 1 the arrays go to the scatter and the kernel as they are: each slice, reshape or
         integer index would be a node per layer that the compiled step rebuilds every token, and
         an integer index is a gather launch (revision ebd927c had ~8 such nodes a layer, 2 of them
-        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md)."""
+        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md). With B > 1 each
+        of q, k, v is split into its B rows by one node (mx.split: one primitive, B outputs), not
+        B slices."""
         n_head, hd = q.shape[1:]
+        if self.B == 1:
+            ks, vs, qs = [k], [v], [q]
+        else:
+            ks, vs, qs = mx.split(k, self.B, axis=1), mx.split(v, self.B, axis=1), mx.split(q, self.B, axis=0)
         outs = []
         for b in range(self.B):
             gi = self.layer_groups[b][i]
             s = 2 * (b * self.n_layer + i)
             rows = self.rows[b][gi]
-            k_row, v_row, q_row = (k, v, q) if self.B == 1 else (k[:, b:b + 1], v[:, b:b + 1], q[b:b + 1])
+            k_row, v_row, q_row = ks[b], vs[b], qs[b]
             self.state[s] = mx.put_along_axis(self.state[s], rows, k_row, axis=1)
             self.state[s + 1] = mx.put_along_axis(self.state[s + 1], rows, v_row, axis=1)
             outs.append(self.kernels.decode_attention(
