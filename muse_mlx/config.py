@@ -37,6 +37,10 @@ class KernelConfig:
     mma_warps: the most warps a threadgroup of the mma form splits K's units between (the plan
         takes the count with the fewest idle, the most on a tie; never more than a
         multiprocessor's registers hold); 0 = 32.
+    mma_tile_warps: the warps of the mma form that share one tile of 16 rows, splitting its units
+        of K (the others take other tiles at the same time); 1 = a warp sums a tile alone, with no
+        barrier; 0 = the plan's (plan.mma_split: the least work for the busiest warp); at
+        or above the warps, the whole threadgroup on one tile.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -54,13 +58,15 @@ class KernelConfig:
     stream_batch_rf: int = 0
     stream_mma: int = 3
     mma_warps: int = 0
+    mma_tile_warps: int = 0
     prefill_f16: int = 1
     pinned_upload: int = 1
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
-                  "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
+                  "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
+                  "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

@@ -203,15 +203,17 @@ def test_tensor_core_plans_fit_the_hardware():
     multiprocessor. Metal's plans keep x_shared, and so does stream_mma=0 on CUDA."""
     from muse_mlx.kernels import Kernels
     h200 = Device("cuda", 132, 232448)
+    whole = KernelConfig(mma_tile_warps=32)     # the whole threadgroup on one tile
     for k, warps, parts in ((4096, 16, 1), (6656, 26, 1), (19968, 26, 2)):
         for b in (2, 3, 4):
-            p = plan.mma_plan(QT.Q4_K, k, 6656, b, h200, KernelConfig())
+            p = plan.mma_plan(QT.Q4_K, k, 6656, b, h200, whole)
+            assert p.tile_warps == p.warps
             assert (p.warps, p.parts) == (warps, parts), (k, b, p)
             assert p.memory == plan.MMA_UNIT_BYTES * k // 64 // parts + 32
             per_sm = -(-p.groups * p.parts // h200.cores)
             assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
             assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[QT.Q4_K, ""] <= plan.GROUP_REGISTERS
-            name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, "_silu", k, h200, KernelConfig(), b, 2 * k)
+            name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, "_silu", k, h200, whole, b, 2 * k)
             assert name == "matvec_mma_silu_q6_k" and memory == p.memory
             assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
             assert launch["grid"][1] == parts
@@ -222,13 +224,39 @@ def test_tensor_core_plans_fit_the_hardware():
     assert Kernels(h200, KernelConfig(stream_mma=2))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 4)
     # asked-for warps, capped by the registers a multiprocessor holds
-    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16)).warps == 13
-    assert plan.mma_plan(QT.Q6_K, 19968, 6656, 4, h200, KernelConfig(), "_silu").warps == 26
-    assert plan.mma_plan(QT.Q4_K, 19968, 6656, 4, h200, KernelConfig(), "_silu").warps == 13
+    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 13
+    assert plan.mma_plan(QT.Q6_K, 19968, 6656, 4, h200, whole, "_silu").warps == 26
+    assert plan.mma_plan(QT.Q4_K, 19968, 6656, 4, h200, whole, "_silu").warps == 13
     for (qtype, act), regs in plan.MMA_REGISTERS.items():
-        p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32), act)
-        assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
+        for tile_warps in (0, 1, 32):
+            p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps), act)
+            assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
+
+
+@pytest.mark.parametrize("qtype, n, k, act", [(QT.Q4_K, 39936, 6656, ""), (QT.Q4_K, 8704, 6656, ""),
+                                              (QT.Q4_K, 6656, 4096, ""), (QT.Q6_K, 6656, 19968, "_silu"),
+                                              (QT.Q4_K, 6656, 19968, "_silu"), (QT.Q6_K, 262144, 6656, ""),
+                                              (QT.Q4_K, 5, 256, "")])
+def test_tensor_core_tile_split_fits_and_balances(qtype, n, k, act):
+    """The plan's split of warps between tiles (KW a tile, NW / KW tiles a round) at the pinned
+    shapes: a whole number of tiles a threadgroup, within the registers and memory of one
+    multiprocessor, and no busier warp than any other split of at most as many warps, the
+    whole-threadgroup split (one tile at a time) included."""
+    h200 = Device("cuda", 132, 232448)
+    p = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(), act)
+    limit = min(plan.MMA_MAX_WARPS, plan.GROUP_REGISTERS // (32 * plan.MMA_REGISTERS[qtype, act]))
+    assert p.warps % p.tile_warps == 0 and p.warps <= limit
+    assert p.memory + plan.MMA_WARP_BYTES * p.warps <= h200.group_memory
+    tiles, units, groups = -(-n // 16), k // 64 // p.parts, h200.cores // p.parts
+
+    def busiest(nw, kw):   # units of K the busiest warp works through, a round's barrier as 2
+        return -(-tiles // (groups * (nw // kw))) * (-(-units // kw) + (2 if kw > 1 else 0))
+    assert p.groups <= groups and p.groups * (p.warps // p.tile_warps) >= tiles or p.groups == groups
+    best = busiest(p.warps, p.tile_warps)
+    assert all(best <= busiest(nw, kw) for kw in range(1, limit + 1) for nw in range(kw, limit + 1, kw))
+    whole = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_tile_warps=32), act)
+    assert best <= busiest(whole.warps, whole.warps)
 
 
 def test_kernel_config_parses_and_rejects():

@@ -118,13 +118,37 @@ def test_tensor_core_matvec_silu_in_parts(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_tensor_core_matvec_many_warps(qtype):
     """26 warps a threadgroup of four units each (the H200's plan at K = 6,656), on a device with
-    room for their reduction buffers; and 20 warps of two units (2,560)."""
+    room for their reduction buffers; and 20 warps of two units (2,560); the whole threadgroup
+    on one tile."""
     from muse_mlx.kernels import Device, Kernels
     from metal_emulator import EmulatedKernel
-    big = Kernels(Device("metal", 4, 1 << 20), KernelConfig(stream_groups=2),
+    big = Kernels(Device("metal", 4, 1 << 20), KernelConfig(stream_groups=2, mma_tile_warps=32),
                   build=lambda name, which, shared: EmulatedKernel(name))
     for n, k, warps in ((19, 6656, 26), (16, 2560, 20)):
         assert plan.mma_plan(qtype, k, n, 4, big.device, big.config).warps == warps
+        rng = np.random.default_rng([n, k, int(qtype), 24])
+        w = random_blocks(n, k, qtype, rng)
+        x = rng.standard_normal((4, k)).astype(np.float32)
+        out = np.array(big.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
+        W = dense(w, qtype, n, k)
+        assert np.isfinite(out).all()
+        assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("tile_warps, warps, b", [(1, 3, 3), (2, 6, 4), (3, 6, 2)])
+def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
+    """Warps split between tiles: KW = 1 (a warp sums its tile alone, hi and lo columns joined
+    by a shuffle, no barrier), 2 and 3 (NW / KW tiles a round, each reduced over its own warps);
+    the last round with tiles past the matrix (7 tiles, 3 or 2 a round, 2 threadgroups), units
+    that do not split evenly (3 warps over 8 or 20 units), rows past the last whole tile."""
+    from muse_mlx.kernels import Device, Kernels
+    from metal_emulator import EmulatedKernel
+    config = KernelConfig(stream_groups=2, mma_warps=warps, mma_tile_warps=tile_warps)
+    big = Kernels(Device("metal", 4, 1 << 20), config, build=lambda name, which, shared: EmulatedKernel(name))
+    for n, k in ((103, 512), (100, 1280)):
+        p = plan.mma_plan(qtype, k, n, b, big.device, big.config)
+        assert (p.warps, p.tile_warps) == (warps, tile_warps), p
         rng = np.random.default_rng([n, k, int(qtype), 24])
         w = random_blocks(n, k, qtype, rng)
         x = rng.standard_normal((4, k)).astype(np.float32)

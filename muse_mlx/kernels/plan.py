@@ -153,14 +153,18 @@ MMA_MAX_WARPS = 32
 # the largest of each form's builds; local nvcc gave the silu Q4_K form 91). A threadgroup's
 # warps are capped so that they fit GROUP_REGISTERS (MLX launches without launch bounds).
 MMA_REGISTERS = {(QT.Q4_K, ""): 78, (QT.Q4_K, "_silu"): 113, (QT.Q6_K, ""): 64, (QT.Q6_K, "_silu"): 72}
+# The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
+# them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
+MMA_SPLIT_MARGIN = 12
 SM_THREADS = 2048
 
 
 class MmaPlan(NamedTuple):
-    warps: int       # NW: warps a threadgroup, splitting a part's units of K
+    warps: int       # NW: warps a threadgroup
     parts: int       # KP: parts of K (grid y), each with its own fragments; > 1 adds their products
-    groups: int      # threadgroups in x (per part), each taking tiles of 16 rows g, g + groups, ...
+    groups: int      # threadgroups in x (per part), each taking NW / KW tiles of 16 rows a round
     memory: int      # dynamic threadgroup memory, bytes
+    tile_warps: int  # KW: warps splitting a tile's units of K (KW = 1: a warp sums a tile alone)
 
 
 def _mma_warps(units: int, limit: int) -> int:
@@ -168,29 +172,61 @@ def _mma_warps(units: int, limit: int) -> int:
     return min(range(1, min(units, limit) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
 
 
+# A round's barrier and partial sums (KW > 1), in units of one warp's work on one 64-value unit of
+# a tile (a planning value, not measured).
+MMA_ROUND_UNITS = 2
+
+
+def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int = 0) -> tuple[int, int]:
+    """(NW, KW) of the tensor-core form: at most `limit` warps a threadgroup, KW (tile_warps
+    when given) of them on each tile. Chosen to make the busiest warp's work the least, counted
+    in units of K: rounds x (units a warp of a tile + MMA_ROUND_UNITS where KW > 1), where a
+    round gives each of `groups` threadgroups NW / KW tiles; on a tie, the most threadgroups
+    busy, then the most warps (more loads in flight)."""
+    def cost(nw: int, kw: int) -> tuple:
+        tpg = nw // kw
+        rounds = -(-tiles // (groups * tpg))
+        return (rounds * (-(-units // kw) + (MMA_ROUND_UNITS if kw > 1 else 0)),
+                -min(groups, -(-tiles // tpg)), -nw)
+    kws = [tile_warps] if tile_warps else range(1, min(limit, units) + 1)
+    return min(((nw, kw) for kw in kws for nw in range(kw, limit + 1, kw)), key=lambda p: cost(*p))
+
+
 @lru_cache(maxsize=None)
 def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig, act: str = "") -> MmaPlan | None:
     """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
     not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
     fragments that no part count up to 8 fits into threadgroup memory). K is split into the
-    fewest parts (whole blocks each) whose fragments fit; the threadgroups fill the
-    multiprocessors as far as their memory, threads and registers allow."""
+    fewest parts (whole blocks each) whose fragments fit; KW warps share a tile (the config's,
+    else mma_split's); the threadgroups fill the multiprocessors as far as their memory,
+    threads and registers allow."""
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    regs = MMA_REGISTERS[qtype, act]
+    whole_regs = MMA_REGISTERS[qtype, act]
+    split_regs = whole_regs + MMA_SPLIT_MARGIN
+    limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
+    tiles = -(-N // 16)
     for parts in range(1, 9):
         if units % parts or (units // parts) % 4:
             continue
         upp = units // parts
-        warps = _mma_warps(upp, min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * regs)))
         memory = MMA_UNIT_BYTES * upp + 32
+        room = min(limit, (device.group_memory - memory) // MMA_WARP_BYTES,   # buffers, registers
+                   GROUP_REGISTERS // (32 * split_regs))
+        if config.mma_tile_warps >= min(limit, upp):   # the whole threadgroup on one tile
+            warps = kw = _mma_warps(upp, limit)
+        elif room >= max(1, config.mma_tile_warps):
+            warps, kw = mma_split(tiles, upp, config.stream_groups or max(1, device.cores // parts), room,
+                                  config.mma_tile_warps)
+        else:
+            continue
         static = MMA_WARP_BYTES * warps
         if memory + static <= device.group_memory:
             break
     else:
         return None
-    tiles = -(-N // 16)
+    regs = whole_regs if kw == warps else split_regs
     if config.stream_groups:
         groups = config.stream_groups
     else:
@@ -198,7 +234,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
         per_core = max(1, min(device.group_memory // (memory + static), SM_THREADS // threads,
                               GROUP_REGISTERS // (threads * regs)))
         groups = max(1, device.cores * per_core // parts)
-    return MmaPlan(warps, parts, min(tiles, groups), memory)
+    return MmaPlan(warps, parts, min(-(-tiles // (warps // kw)), groups), memory, kw)
 
 
 @lru_cache(maxsize=None)
@@ -207,8 +243,8 @@ def mma_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Devi
     """(kernel name, its threadgroup memory in bytes, launch keywords) of the tensor-core form over
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
     p = mma_plan(qtype, K, N, B, device, config, act)
-    template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KP", p.parts),
-                ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
+    template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
+                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     template += [("UP_OFF", up_offset)] if act else []
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
     return f"matvec_mma{act}_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(

@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from muse_mlx.config import KernelConfig
-from muse_mlx.kernels import Kernels, gpu_device
+from muse_mlx.kernels import Kernels, gpu_device, plan
 from muse_mlx.tools.fixtures import random_blocks
 from muse_mlx.tools.receipts import make_receipt
 
@@ -49,8 +49,9 @@ for name, qtype, n, k, act in SHAPES:
                 continue
             print(f"{name} B={b} [{tag}]: {min(samples):.4f} ms a launch ({', '.join(f'{s:.4f}' for s in samples)})",
                   flush=True)
+            p = plan.mma_plan(qtype, k, n, b, kernels.device, config, act) if kernels._takes_mma(qtype, k, n, b, act) else None
             cells.append(dict(product=name, qtype=qtype.name, n=n, k=k, act=act, rows=b, config=tag,
-                              ms=samples))
+                              plan=p._asdict() if p else "x_shared", ms=samples))
 receipt = make_receipt("probe_mma", inputs=dict(rows=rows, configs=sys.argv[2], iters=ITERS, synthetic=True),
                        metrics=dict(cells=cells), synthetic=True,
                        notes="synthetic random blocks (gguf-py-valid), not a model file")

@@ -326,6 +326,20 @@ def test_matvec_stream_rows(qtype, shape, batch, mma):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(39936, 6656), (6656, 19968), (8704, 6656)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("tile_warps", [1, 2, 32], ids=["alone", "pairs", "whole"])
+def test_tensor_core_tile_splits(qtype, shape, tile_warps):
+    """The tensor-core form at 4 rows with its warps split between tiles: a warp a tile (no
+    barrier), two a tile, the whole threadgroup on one; gate|up, FFN down in two parts of K, Q|K|gate."""
+    n, k = shape
+    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_tile_warps=tile_warps))
+    assert kernels._takes_mma(qtype, k, n, 4)
+    p = plan.mma_plan(qtype, k, n, 4, kernels.device, kernels.config)
+    check_matvec("matvec_mma_tile_splits", qtype, n, k, 4, np.random.default_rng([SEED, n, k, int(qtype), tile_warps]),
+                 kernels=kernels, warps=p.warps, tile_warps=p.tile_warps)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
     """The tensor-core form with rows of x 1e-6 to 1e6 in size (each row scaled to f16's range
