@@ -32,8 +32,8 @@ class KernelConfig:
     stream_mma: the fewest token rows (2..4; a packed step over slots) whose products take the
         tensor cores on CUDA (matvec_stream.inc's mma form: the weights as exact f16, x as two
         f16 halves, float32 accumulation); fewer rows take x_shared (float32 FMAs); 0 = never.
-        3 by measurement (H200, c11a8bd: the mma form's products take the same time at 2, 3
-        and 4 rows, more than x_shared's at 2). Metal takes x_shared.
+        2 by measurement (H200, ce66a6f, warps split between tiles: the packed step over 2
+        slots 132.0 tok/s against x_shared's 122.0). Metal takes x_shared.
     mma_warps: the most warps a threadgroup of the mma form splits K's units between (the plan
         takes the count with the fewest idle, the most on a tie; never more than a
         multiprocessor's registers hold); 0 = 32.
@@ -56,7 +56,7 @@ class KernelConfig:
     stream_groups: int = 0
     stream_batch: int = 4
     stream_batch_rf: int = 0
-    stream_mma: int = 3
+    stream_mma: int = 2
     mma_warps: int = 0
     mma_tile_warps: int = 0
     prefill_f16: int = 1

@@ -3,7 +3,8 @@ pinned shapes (no GGUF needed): each product launched ITERS times after a warm-u
 configuration of argv[2] ("tag:name=value,...;tag2:..."), at the rows of x of argv[1] (e.g. "2,4").
 Prints ms a launch and writes a receipt to argv[3]. Synthetic weights: gguf-py-valid random blocks.
 Under `ncu -k regex:matvec` the same launches give the kernels' counters.
-Usage (on the device): python scripts/device/probe_mma.py 2,4 "m16:stream_mma=2;m32:stream_mma=2,mma_warps=32" out.json [ITERS]
+Usage (on the device): python scripts/device/probe_mma.py 2,4 "m16:stream_mma=2;m32:stream_mma=2,mma_warps=32" out.json [ITERS [SHAPES]]
+(SHAPES: names of SHAPES, ";"-separated, e.g. "down Q6_K;LM head part"; all when absent)
 """
 
 import json
@@ -25,6 +26,8 @@ SHAPES = [("gate|up", QT.Q4_K, 39936, 6656, ""), ("Q|K|gate", QT.Q4_K, 8704, 665
           ("down Q4_K", QT.Q4_K, 6656, 19968, "_silu"), ("LM head part", QT.Q6_K, 50000, 6656, "")]
 
 rows = [int(r) for r in sys.argv[1].split(",")]
+if len(sys.argv) > 5:
+    SHAPES = [s for s in SHAPES if s[0] in sys.argv[5].split(";")]
 configs = KernelConfig.parse_tagged(sys.argv[2], "configs")
 rng = np.random.default_rng(7)
 cells = []

@@ -314,7 +314,7 @@ def test_matvec_stream_other_shapes(qtype, shape, groups):
 @pytest.mark.parametrize("mma", [2, 0], ids=["mma", "x_shared"])
 def test_matvec_stream_rows(qtype, shape, batch, mma):
     """Several rows of x (the packed step over 2..4 slots) on the tensor cores (stream_mma=2; the
-    default takes them from 3 rows on; at K = 19,968 in two parts of K) and through the streaming kernel with x in
+    default; at K = 19,968 in two parts of K) and through the streaming kernel with x in
     threadgroup memory (stream_mma=0: at K = 19,968 two rows fit a threadgroup, so 3 and 4 rows
     take two launches)."""
     n, k = shape
