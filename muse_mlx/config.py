@@ -41,6 +41,10 @@ class KernelConfig:
         of K (the others take other tiles at the same time); 1 = a warp sums a tile alone, with no
         barrier; 0 = the plan's (plan.mma_split: the least work for the busiest warp); at
         or above the warps, the whole threadgroup on one tile.
+    mma_pair_min_rows: with two rows of x, the fewest rows of a matrix (N) whose product takes
+        the tensor cores; smaller ones keep x_shared (its two rows in one launch); 0 = every
+        matrix. 0 pending measurement: alone at B = 2 x_shared led on Q|K|gate (8,704 rows) and
+        FFN down (6,656), the tensor cores on gate|up (39,936) and the LM head (H200, ce66a6f).
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -59,6 +63,7 @@ class KernelConfig:
     stream_mma: int = 2
     mma_warps: int = 0
     mma_tile_warps: int = 0
+    mma_pair_min_rows: int = 0
     prefill_f16: int = 1
     pinned_upload: int = 1
 
@@ -66,6 +71,7 @@ class KernelConfig:
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
+                  "mma_pair_min_rows": (0, 1 << 24),
                   "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)

@@ -224,6 +224,11 @@ def test_tensor_core_plans_fit_the_hardware():
     assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 3) and Kernels(h200)._takes_mma(QT.Q6_K, 19968, 6656, 4, "_silu")
     assert Kernels(h200, KernelConfig(stream_mma=2))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 4)
+    # two rows over matrices below mma_pair_min_rows keep x_shared; three rows take the tensor cores
+    pair = Kernels(h200, KernelConfig(mma_pair_min_rows=16384))
+    assert not pair._takes_mma(QT.Q4_K, 6656, 8704, 2) and not pair._takes_mma(QT.Q6_K, 19968, 6656, 2, "_silu")
+    assert pair._takes_mma(QT.Q4_K, 6656, 39936, 2) and pair._takes_mma(QT.Q4_K, 6656, 16384, 2)
+    assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4, "_silu")
     # asked-for warps, capped by the registers a multiprocessor holds
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 13
     assert plan.mma_plan(QT.Q6_K, 19968, 6656, 4, h200, whole, "_silu").warps == 26
@@ -273,7 +278,8 @@ def test_kernel_config_parses_and_rejects():
                           ("ring_chunk=0", "1..65536"), ("combine_warps=33", "0..32"), ("stream_groups=-1", "0.."),
                           ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2 or 4"),
                           ("stream_batch_rf=8", "0..4"), ("stream_mma=1", "0 \\(never\\)"),
-                          ("stream_mma=5", "0..4"), ("mma_warps=33", "0..32")]:
+                          ("stream_mma=5", "0..4"), ("mma_warps=33", "0..32"),
+                          ("mma_pair_min_rows=-1", "0..16777216")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 
