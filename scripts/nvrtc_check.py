@@ -64,6 +64,13 @@ CASES = [
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 48), ("CW", 4)]),
     ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"],
      [("HD", 128), ("CW", 4), ("GATE_OFF", 4352)]),
+    # the same over 4 sequences in one launch (q, keys0..3, values0..3, params)
+    *[("attention_partial_seqs", ["float32"] + ["float16"] * 8 + ["int32"], ["float32", "float32"],
+       [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk), ("NKV", nkv)])
+      for hd, g, hpw, cap, chunk, nkv in ((128, 16, 4, 131072, 128, 2), (48, 6, 2, 64, 64, 1))],
+    ("attention_combine_seqs", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4), ("NH", 32)]),
+    ("attention_combine_seqs_gated", ["float32", "float32", "int32", "float32"], ["float32"],
+     [("HD", 128), ("CW", 4), ("NH", 32), ("GATE_OFF", 4352), ("GATE_ROW", 17408)]),
     # q, k, v from one stacked Q|K|gate|V row per token (row stride 68 heads)
     *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),

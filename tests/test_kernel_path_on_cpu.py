@@ -40,6 +40,7 @@ class StandIns(Kernels):
     def __init__(self, config: KernelConfig = KernelConfig()):
         super().__init__(Device("cuda", 132), config)
         self.attention_splits, self.silu_calls, self.glue_rows, self.silu_rows = [], 0, [], []
+        self.attention_launches_seqs = []   # sequences of each one-launch attention over several
         self.dequantized = []
 
     def dequantize(self, w, qtype, K, init_value=None):
@@ -84,6 +85,7 @@ class StandIns(Kernels):
                          init_value=None):
         n_head, hd = q.shape[-2:]
         self.attention_splits.append(splits)
+        params = params.reshape(-1)
         visible = mx.arange(keys.shape[1]) < mx.minimum(params[0], params[1] * chunk)
         k, v = keys.astype(mx.float32), values.astype(mx.float32)
         qh = q.reshape(keys.shape[0], n_head // keys.shape[0], hd)
@@ -93,6 +95,14 @@ class StandIns(Kernels):
         if gate is not None:
             out = out * mx.sigmoid(gate.reshape(-1)[gate_offset:gate_offset + n_head * hd].reshape(n_head, hd))
         return out.reshape(out_shape or (n_head, hd))
+
+    def decode_attention_seqs(self, q, keys, values, params, chunk, splits, gate=None, gate_offset=0,
+                              init_value=None):
+        self.attention_launches_seqs.append(len(keys))
+        return mx.concatenate([self.decode_attention(
+            q[b], keys[b], values[b], params[b], chunk, splits, gate=gate,
+            gate_offset=b * gate.shape[-1] + gate_offset if gate is not None else 0,
+            out_shape=(1, q.shape[-2] * q.shape[-1])) for b in range(len(keys))], axis=0)
 
     def residual_norm(self, x, f, w_post, w_next, eps, init_value=None):
         self.glue_rows.append(x.shape[0])
@@ -220,18 +230,22 @@ def test_gpu_ops_on_other_geometries(tmp_path, name):
         assert np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max() < 2e-2
 
 
-def test_batched_decode_equals_each_sequence_alone(tmp_path):
+@pytest.mark.parametrize("capacities", [(200, 200, 200), (200, 264, 200)], ids=["one-layout", "planes-differ"])
+def test_batched_decode_equals_each_sequence_alone(tmp_path, capacities):
     """B = 3 sequences at different depths (one past the ring wrap) in one compiled decode step:
-    each sequence's logits equal its own B = 1 step's (the stand-ins compute each row alone)."""
+    each sequence's logits equal its own B = 1 step's (the stand-ins compute each row alone).
+    A layer whose storage has one layout for the three takes one attention launch over them;
+    where the full layers' planes differ (one cache longer), those layers take one each."""
     g = DEFAULT_GEOMETRY
     path = write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=4)
-    model = Model(open_artifact(path), GpuOps(StandIns()))
+    kernels = StandIns()
+    model = Model(open_artifact(path), GpuOps(kernels))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, g.n_vocab, n) for n in (3, 40, g.sliding_window + 9)]
     solo_caches, batch_caches = [], []
-    for p in prompts:
+    for p, capacity in zip(prompts, capacities):
         for caches in (solo_caches, batch_caches):
-            c = model.make_cache(200)
+            c = model.make_cache(capacity)
             model.prefill(mx.array(p), c)
             caches.append(c)
     for step in range(4):
@@ -240,6 +254,9 @@ def test_batched_decode_equals_each_sequence_alone(tmp_path):
         solo = np.stack([np.array(model.step(int(t), c)) for t, c in zip(nxt, solo_caches)])
         d = np.abs(log_softmax(batch) - log_softmax(solo))
         assert d.max() < 1e-4 and (batch.argmax(-1) == solo.argmax(-1)).all(), (step, d.max())
+    launches = kernels.attention_launches_seqs     # recorded as the step is traced (once here), a layer each
+    full = sum(not sliding for sliding in g.swa_layers)
+    assert set(launches) == {3} and len(launches) == (g.n_layer if len(set(capacities)) == 1 else g.n_layer - full)
     for a, b in zip(solo_caches, batch_caches):
         assert a.offset == b.offset
         for x, y in zip(a.state(), b.state()):

@@ -303,6 +303,36 @@ def test_decode_attention_gated(metal):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
 
 
+@pytest.mark.parametrize("seqs, gated", [(2, False), (3, True), (4, True)])
+def test_decode_attention_over_sequences_in_one_launch(metal, seqs, gated):
+    """decode_attention_seqs: S sequences, each with its own storage, rows visible (one past a
+    chunk, one short of a split) and gate row, in one launch of each kernel, against the same
+    kernels launched per sequence: bitwise, since each sequence's sums are the same sums in the
+    same order; and against float64."""
+    n_head, n_kv, hd, cap, chunk, splits = 8, 2, 64, 160, 32, 5
+    rng = np.random.default_rng([seqs, 17])
+    q = rng.standard_normal((seqs, n_head, hd)).astype(np.float32)
+    keys = [(0.5 * rng.standard_normal((n_kv, cap, hd))).astype(np.float16) for _ in range(seqs)]
+    values = [rng.standard_normal((n_kv, cap, hd)).astype(np.float16) for _ in range(seqs)]
+    n_valid = [33, 160, 1, 127][:seqs]
+    params = [plan.attention_params(n, chunk, splits) for n in n_valid]
+    gate = rng.standard_normal((seqs, 40 + n_head * hd)).astype(np.float32) if gated else None
+    out = np.array(metal.decode_attention_seqs(
+        mx.array(q), [mx.array(k) for k in keys], [mx.array(v) for v in values], mx.stack(params), chunk, splits,
+        gate=None if gate is None else mx.array(gate), gate_offset=40, init_value=NAN))
+    assert out.shape == (seqs, n_head * hd) and np.isfinite(out).all()
+    for s in range(seqs):
+        alone = np.array(metal.decode_attention(
+            mx.array(q[s]), mx.array(keys[s]), mx.array(values[s]), params[s], chunk, splits,
+            gate=None if gate is None else mx.array(gate), gate_offset=s * gate.shape[1] + 40 if gated else 0,
+            out_shape=(1, n_head * hd), init_value=NAN))
+        assert np.array_equal(out[s:s + 1], alone), s
+        ref = attention_ref(q[s], keys[s], values[s], n_valid[s])
+        if gated:
+            ref = ref / (1 + np.exp(-gate[s, 40:].astype(np.float64).reshape(n_head, hd)))
+        assert np.linalg.norm(out[s] - ref.reshape(-1)) / np.linalg.norm(ref) < 1e-5, s
+
+
 def rms(x, eps):
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
 

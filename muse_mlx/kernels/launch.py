@@ -146,6 +146,28 @@ class Kernels:
         return self.kernel("attention_combine_gated")(inputs=[part_o, part_ml, params, gate],
                                                       init_value=init_value, **combine)[0]
 
+    def decode_attention_seqs(self, q: mx.array, keys: list[mx.array], values: list[mx.array], params: mx.array,
+                              chunk: int, splits: int, gate: mx.array | None = None, gate_offset: int = 0,
+                              init_value: float | None = None) -> mx.array:
+        """decode_attention for S = len(keys) sequences (at most source.ATTENTION_SEQS) in one
+        launch of each kernel: q (S, n_head, HD) f32, keys[s] / values[s] sequence s's (n_kv, CAP,
+        HD) f16 storage (one shape for all), params (S, 8) int32 (plan.attention_params rows; one
+        split count), the gate's row s from gate_offset for sequence s. -> (S, n_head * HD) f32."""
+        seqs = len(keys)
+        if not 1 <= seqs <= source.ATTENTION_SEQS or len(values) != seqs or q.shape[0] != seqs:
+            raise ValueError(f"decode_attention_seqs takes 1..{source.ATTENTION_SEQS} sequences, got {seqs}")
+        gate_row = 0 if gate is None else gate.shape[-1]
+        partial, combine = plan.attention_launch(q.shape[-2:], keys[0].shape, chunk, splits, gate is not None,
+                                                 gate_offset, None, self.config, seqs, gate_row)
+        spare = source.ATTENTION_SEQS - seqs   # unused storage inputs: sequence 0's again (never read)
+        part_o, part_ml = self.kernel("attention_partial_seqs")(
+            inputs=[q, *keys, *keys[:1] * spare, *values, *values[:1] * spare, params], **partial)
+        if gate is None:
+            return self.kernel("attention_combine_seqs")(inputs=[part_o, part_ml, params], init_value=init_value,
+                                                         **combine)[0]
+        return self.kernel("attention_combine_seqs_gated")(inputs=[part_o, part_ml, params, gate],
+                                                           init_value=init_value, **combine)[0]
+
     # ---- the steps between the products (decode_glue.inc) ----
 
     def qk_post(self, q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,

@@ -8,6 +8,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ..config import KernelConfig
@@ -300,6 +301,16 @@ def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.
     return mx.array([n_valid, splits, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
 
 
+def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> mx.array:
+    """attention_params of several sequences sharing one split count, one row each: (S, 8) int32."""
+    rows = np.zeros((len(n_valids), 8), dtype=np.int32)
+    for row, n_valid in zip(rows, n_valids):
+        if splits * chunk < n_valid:
+            raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")
+        row[:2] = n_valid, splits
+    return mx.array(rows)
+
+
 def attention_splits(n_valid: int, chunk: int, capacity: int) -> int:
     """A split count for n_valid rows that stays the same over many tokens, for a compiled step
     (whose grids are fixed at trace time): the fewest splits, rounded up to a multiple of a
@@ -316,20 +327,26 @@ def _warps_for(group: int) -> int:
 
 @lru_cache(maxsize=None)
 def attention_launch(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: int, gated: bool, gate_offset: int,
-                     out_shape: tuple | None, config: KernelConfig) -> tuple[dict, dict]:
-    """The launch keywords of the decode attention's partial and combine kernels."""
+                     out_shape: tuple | None, config: KernelConfig, seqs: int = 0, gate_row: int = 0) -> tuple[dict, dict]:
+    """The launch keywords of the decode attention's partial and combine kernels: one sequence,
+    or (seqs > 0: the _seqs kernels) `seqs` sequences in one launch each, sequence s's gate at
+    gate_offset + s * gate_row and its output row s of out_shape."""
     n_head, hd = q_shape
     n_kv, cap, _ = kv_shape
     group = n_head // n_kv
     nw = _warps_for(group)
     cw = combine_warps(nsplit, config)
+    b = max(1, seqs)
     partial = dict(
-        template=[("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)],
-        grid=(nsplit * nw * 32, n_kv, 1), threadgroup=(nw * 32, 1, 1),
-        output_shapes=[(n_head * nsplit * hd,), (n_head * nsplit * 2,)],
+        template=[("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)]
+        + ([("NKV", n_kv)] if seqs else []),
+        grid=(nsplit * nw * 32, n_kv * b, 1), threadgroup=(nw * 32, 1, 1),
+        output_shapes=[(b * n_head * nsplit * hd,), (b * n_head * nsplit * 2,)],
         output_dtypes=[mx.float32, mx.float32], stream=mx.gpu)
     combine = dict(
-        template=[("HD", hd), ("CW", cw)] + ([("GATE_OFF", gate_offset)] if gated else []),
-        grid=(n_head * cw * 32, 1, 1), threadgroup=(cw * 32, 1, 1),
-        output_shapes=[out_shape or (n_head, hd)], output_dtypes=[mx.float32], stream=mx.gpu)
+        template=[("HD", hd), ("CW", cw)] + ([("NH", n_head)] if seqs else [])
+        + ([("GATE_OFF", gate_offset)] if gated else []) + ([("GATE_ROW", gate_row)] if gated and seqs else []),
+        grid=(n_head * cw * 32, b, 1), threadgroup=(cw * 32, 1, 1),
+        output_shapes=[out_shape or ((seqs, n_head * hd) if seqs else (n_head, hd))], output_dtypes=[mx.float32],
+        stream=mx.gpu)
     return partial, combine

@@ -36,8 +36,9 @@ class DecodePlan(NamedTuple):
 
     key: the trace key (B; per sequence, the group of each layer; per group, the attention's
     rows per split and split count, trace constants); arrays: per sequence and group, the row
-    to write (int32 shaped like a row of K: put_along_axis's indices) then the attention
-    parameters (plan.attention_params), then every cache's storage (SlotCache.state order)."""
+    to write (int32 shaped like a row of K: put_along_axis's indices), then per group the
+    attention parameters of the B sequences (plan.attention_params_rows, (B, 8)), then every
+    cache's storage (SlotCache.state order)."""
     key: tuple
     arrays: list
     compiled: bool = True
@@ -63,12 +64,14 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
     splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
                    for gi in range(len(kinds)))
     arrays = []
-    for cache, first, valid in zip(caches, firsts, n_valid):
+    for cache, first in zip(caches, firsts):
         n_kv, _, head_dim = cache.layers[0].keys.shape
         for gi in range(len(kinds)):
             row = first[gi].next_row if gi in first else 0
             arrays.append(mx.array(np.full((n_kv, 1, head_dim), row, dtype=np.int32)))
-            arrays.append(kplan.attention_params(max(1, valid.get(gi, 0)), chunks[gi], splits[gi]))
+    for gi in range(len(kinds)):
+        arrays.append(kplan.attention_params_rows([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
+                                                  splits[gi]))
     for cache in caches:
         arrays += cache.state()
     return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), arrays)
@@ -78,15 +81,17 @@ class DecodeStep:
     """One decode token of B sequences inside the compiled step: writes each layer's new K/V row
     into the storage arrays with put_along_axis at the plan's rows (MLX's scatter: a thread per
     element written, where a slice update at an array row launches one per element stored)
-    and attends with the split decode kernel. `state` is the storage with the rows written."""
+    and attends with the split decode kernel: the B sequences in one launch where a layer's
+    storage has one group for all of them, else one launch each. `state` is the storage with
+    the rows written."""
 
     def __init__(self, key: tuple, arrays: list, kernels: Kernels):
         self.B, self.layer_groups, self.chunks, self.splits = key
         n_groups = len(self.chunks)
-        n_plan = 2 * self.B * n_groups
-        plan_arrays, self.state = list(arrays[:n_plan]), list(arrays[n_plan:])
-        self.rows = [plan_arrays[2 * b * n_groups:2 * (b + 1) * n_groups:2] for b in range(self.B)]
-        self.params = [plan_arrays[2 * b * n_groups + 1:2 * (b + 1) * n_groups:2] for b in range(self.B)]
+        n_rows = self.B * n_groups
+        self.rows = [arrays[b * n_groups:(b + 1) * n_groups] for b in range(self.B)]
+        self.params = list(arrays[n_rows:n_rows + n_groups])    # per group, (B, 8)
+        self.state = list(arrays[n_rows + n_groups:])
         self.n_layer = len(self.layer_groups[0])
         self.kernels = kernels
 
@@ -96,26 +101,31 @@ class DecodeStep:
         With B = 1 the arrays go to the scatter and the kernel as they are: each slice, reshape or
         integer index would be a node per layer that the compiled step rebuilds every token, and
         an integer index is a gather launch (revision ebd927c had ~8 such nodes a layer, 2 of them
-        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md). With B > 1 each
-        of q, k, v is split into its B rows by one node (mx.split: one primitive, B outputs), not
-        B slices."""
+        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md). With B > 1 k
+        and v are split into their B rows by one node each (mx.split: one primitive, B outputs)
+        for the B writes, and q goes whole to one launch over the B sequences' storage."""
         n_head, hd = q.shape[1:]
-        if self.B == 1:
-            ks, vs, qs = [k], [v], [q]
-        else:
-            ks, vs, qs = mx.split(k, self.B, axis=1), mx.split(v, self.B, axis=1), mx.split(q, self.B, axis=0)
-        outs = []
-        for b in range(self.B):
-            gi = self.layer_groups[b][i]
+        ks, vs = ([k], [v]) if self.B == 1 else (mx.split(k, self.B, axis=1), mx.split(v, self.B, axis=1))
+        groups = [self.layer_groups[b][i] for b in range(self.B)]
+        for b, gi in enumerate(groups):
             s = 2 * (b * self.n_layer + i)
-            rows = self.rows[b][gi]
-            k_row, v_row, q_row = ks[b], vs[b], qs[b]
-            self.state[s] = mx.put_along_axis(self.state[s], rows, k_row, axis=1)
-            self.state[s + 1] = mx.put_along_axis(self.state[s + 1], rows, v_row, axis=1)
-            outs.append(self.kernels.decode_attention(
-                q_row, self.state[s], self.state[s + 1], self.params[b][gi], self.chunks[gi], self.splits[gi],
-                gate=gate.array, gate_offset=b * gate.array.shape[-1] + gate.offset, out_shape=(1, n_head * hd)))
-        return outs[0] if self.B == 1 else mx.concatenate(outs, axis=0)
+            self.state[s] = mx.put_along_axis(self.state[s], self.rows[b][gi], ks[b], axis=1)
+            self.state[s + 1] = mx.put_along_axis(self.state[s + 1], self.rows[b][gi], vs[b], axis=1)
+        keys, values = self.state[2 * i::2 * self.n_layer], self.state[2 * i + 1::2 * self.n_layer]
+        if self.B == 1:
+            gi = groups[0]
+            return self.kernels.decode_attention(q, keys[0], values[0], self.params[gi], self.chunks[gi],
+                                                 self.splits[gi], gate=gate.array, gate_offset=gate.offset,
+                                                 out_shape=(1, n_head * hd))
+        if len(set(groups)) == 1:
+            gi = groups[0]
+            return self.kernels.decode_attention_seqs(q, keys, values, self.params[gi], self.chunks[gi],
+                                                      self.splits[gi], gate=gate.array, gate_offset=gate.offset)
+        qs = mx.split(q, self.B, axis=0)
+        return mx.concatenate([self.kernels.decode_attention(
+            qs[b], keys[b], values[b], self.params[gi][b], self.chunks[gi], self.splits[gi], gate=gate.array,
+            gate_offset=b * gate.array.shape[-1] + gate.offset, out_shape=(1, n_head * hd))
+            for b, gi in enumerate(groups)], axis=0)
 
     def layer_state(self, i: int) -> list[mx.array]:
         return [a for b in range(self.B) for a in self.state[2 * (b * self.n_layer + i):2 * (b * self.n_layer + i) + 2]]
