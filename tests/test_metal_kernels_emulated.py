@@ -126,13 +126,19 @@ def test_tensor_core_matvec_many_warps(qtype):
                   build=lambda name, which, shared: EmulatedKernel(name))
     for n, k, warps in ((19, 6656, 26), (16, 2560, 20)):
         assert plan.mma_plan(qtype, k, n, 4, big.device, big.config).warps == warps
-        rng = np.random.default_rng([n, k, int(qtype), 24])
-        w = random_blocks(n, k, qtype, rng)
-        x = rng.standard_normal((4, k)).astype(np.float32)
-        out = np.array(big.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
-        W = dense(w, qtype, n, k)
-        assert np.isfinite(out).all()
-        assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+        check_mma_against_float64(big, qtype, n, k, 4)
+
+
+def check_mma_against_float64(kernels, qtype, n, k, rows):
+    """The tensor-core form over `rows` rows of x on random blocks: finite, within 1e-6 of the
+    terms' magnitudes of the float64 product."""
+    rng = np.random.default_rng([n, k, int(qtype), 24])
+    w = random_blocks(n, k, qtype, rng)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    out = np.array(kernels.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
+    W = dense(w, qtype, n, k)
+    assert np.isfinite(out).all()
+    assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -149,13 +155,7 @@ def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
     for n, k in ((103, 512), (100, 1280)):
         p = plan.mma_plan(qtype, k, n, b, big.device, big.config)
         assert (p.warps, p.tile_warps) == (warps, tile_warps), p
-        rng = np.random.default_rng([n, k, int(qtype), 24])
-        w = random_blocks(n, k, qtype, rng)
-        x = rng.standard_normal((4, k)).astype(np.float32)
-        out = np.array(big.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
-        W = dense(w, qtype, n, k)
-        assert np.isfinite(out).all()
-        assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+        check_mma_against_float64(big, qtype, n, k, b)
 
 
 def test_tensor_core_matvec_carries_non_finite_x():
