@@ -482,6 +482,44 @@ def test_decode_attention_gated():
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("kind, cap, n_valids", [("ring", 2048, (700, 2048, 1, 1500)),
+                                                 ("plane", 131072, (5, 32768, 100_003)),
+                                                 ("plane", 131072, (4097, 9))])
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
+    """The packed step's attention: S sequences, each with its own storage, rows visible and gate
+    row, in one launch pair (decode_attention_seqs), against one launch pair a sequence (bitwise:
+    the same sums in the same order) and against float64."""
+    rng = np.random.default_rng([SEED, cap, len(n_valids), int(gated)])
+    n_head, n_kv, hd, seqs = 32, 2, 128, len(n_valids)
+    config = KernelConfig()
+    chunk = config.ring_chunk if kind == "ring" else config.plane_chunk
+    splits = max(plan.attention_splits(n, chunk, cap) for n in n_valids)
+    q = rng.standard_normal((seqs, n_head, hd)).astype(np.float32)
+    keys = [mx.array((rng.standard_normal((n_kv, cap, hd)) * 0.5).astype(np.float16)) for _ in range(seqs)]
+    values = [mx.array(rng.standard_normal((n_kv, cap, hd)).astype(np.float16)) for _ in range(seqs)]
+    gate = (rng.standard_normal((seqs, 24 + n_head * hd)) * 3).astype(np.float32) if gated else None
+    gate_kw = {} if gate is None else {"gate": mx.array(gate), "gate_offset": 24}
+    out = np.array(KERNELS.decode_attention_seqs(mx.array(q), keys, values,
+                                                 plan.attention_params_rows(list(n_valids), chunk, splits), chunk,
+                                                 splits, init_value=float("nan"), **gate_kw))
+    worst, bitwise = 0.0, True
+    for s, n in enumerate(n_valids):
+        solo_kw = {} if gate is None else {"gate": mx.array(gate[s]), "gate_offset": 24}
+        alone = np.array(KERNELS.decode_attention(mx.array(q[s]), keys[s], values[s],
+                                                  plan.attention_params(n, chunk, splits), chunk, splits,
+                                                  out_shape=(1, n_head * hd), init_value=float("nan"), **solo_kw))
+        bitwise &= bool(np.array_equal(out[s:s + 1], alone))
+        ref = attention_ref(q[s], np.array(keys[s]), np.array(values[s]), n)
+        if gate is not None:
+            ref = ref / (1 + np.exp(-gate[s, 24:].astype(np.float64).reshape(n_head, hd)))
+        worst = max(worst, rel_err(out[s].astype(np.float64), ref.reshape(-1)))
+    ok = bool(np.isfinite(out).all() and bitwise and worst < 1e-5)
+    record("decode_attention_seqs", kind=kind, cap=cap, n_valid=list(n_valids), gated=gated, rel_err=worst,
+           bitwise_vs_alone=bitwise, **{"pass": ok})
+    assert ok, (worst, bitwise)
+
+
 def rmsnorm64(x, w, eps):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w.astype(np.float64)
