@@ -219,10 +219,11 @@ def test_tensor_core_plans_fit_the_hardware():
             assert launch["grid"][1] == parts
     assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 5, h200, KernelConfig()) is None
-    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 2)    # the default: from 2 rows on
+    assert Kernels(h200, KernelConfig(mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)  # from 2 rows on
+    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 39936, 2) and not Kernels(h200)._takes_mma(QT.Q4_K, 6656, 8704, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=3))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 3) and Kernels(h200)._takes_mma(QT.Q6_K, 19968, 6656, 4, "_silu")
-    assert Kernels(h200, KernelConfig(stream_mma=2))._takes_mma(QT.Q4_K, 6656, 6656, 2)
+    assert Kernels(h200, KernelConfig(stream_mma=2, mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 4)
     # two rows over matrices below mma_pair_min_rows keep x_shared; three rows take the tensor cores
     pair = Kernels(h200, KernelConfig(mma_pair_min_rows=16384))
