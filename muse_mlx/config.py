@@ -50,6 +50,10 @@ class KernelConfig:
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
         multiplied in float32, the exactness lane for parity runs.
+    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 1 = the flash kernel
+        (prefill_attention.inc: online softmax on the tensor cores, q and the weights rounded to
+        f16, no score matrix); 0 = MLX ops in float32 with the scores in memory (the exactness
+        lane's attention, which prefill_f16 = 0 always takes).
     pinned_upload: how kvpack's restores reach a CUDA device: 1 = each blob read into page-locked
         staging, checked there and copied by a kernel (kernels/upload.py); 0 = read into host
         memory, checked, and loaded by mx.load. Metal and the CPU share memory: unused there.
@@ -66,6 +70,7 @@ class KernelConfig:
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
     prefill_f16: int = 1
+    prefill_flash: int = 1
     pinned_upload: int = 1
 
     def __post_init__(self):
@@ -73,7 +78,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
-                  "prefill_f16": (0, 1), "pinned_upload": (0, 1)}
+                  "prefill_f16": (0, 1), "prefill_flash": (0, 1), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

@@ -71,6 +71,10 @@ CASES = [
     ("attention_combine_seqs", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4), ("NH", 32)]),
     ("attention_combine_seqs_gated", ["float32", "float32", "int32", "float32"], ["float32"],
      [("HD", 128), ("CW", 4), ("NH", 32), ("GATE_OFF", 4352), ("GATE_ROW", 17408)]),
+    # the flash prefill attention (q, keys, values, q_pos, k_pos, params)
+    *[("attention_prefill", ["float32", "float16", "float16", "int32", "int32", "int32"], ["float32"],
+       [("HD", hd), ("G", g), ("NKV", nkv), ("NW", 4), ("KB", kb)])
+      for hd, g, nkv, kb in ((128, 16, 2, 64), (48, 6, 2, 64), (256, 8, 4, 32))],
     # q, k, v from one stacked Q|K|gate|V row per token (row stride 68 heads)
     *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),

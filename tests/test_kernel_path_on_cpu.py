@@ -24,8 +24,10 @@ from muse_mlx.kernels import plan
 from muse_mlx.model import Model
 from muse_mlx.ops import ReferenceOps
 from muse_mlx.ops.gpu import GpuOps
+from muse_mlx.ops.reference import attention
 from muse_mlx.quant import dequantize
 from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, write_fixture, write_random_blocks
+from metal_emulator import CXX, emulated_kernels
 from reference import F16_EPS, ReferenceModel, log_softmax, within_precision_noise
 
 
@@ -42,6 +44,7 @@ class StandIns(Kernels):
         self.attention_splits, self.silu_calls, self.glue_rows, self.silu_rows = [], 0, [], []
         self.attention_launches_seqs = []   # sequences of each one-launch attention over several
         self.dequantized = []
+        self.flash_rows = []   # queries of each flash prefill attention
 
     def dequantize(self, w, qtype, K, init_value=None):
         self.dequantized.append(qtype)
@@ -104,6 +107,13 @@ class StandIns(Kernels):
             gate_offset=b * gate.shape[-1] + gate_offset if gate is not None else 0,
             out_shape=(1, q.shape[-2] * q.shape[-1])) for b in range(len(keys))], axis=0)
 
+    def prefill_attention(self, q, keys, values, q_pos, k_pos, window, init_value=None):
+        """The kernel's own body: its Metal text run by the emulator (tests/metal_emulator.py)."""
+        self.flash_rows.append(q.shape[0])
+        if CXX is None:   # no compiler for the emulator: the contract in float32
+            return attention(q, keys, values, np.array(q_pos), np.array(k_pos), window, q.shape[-1] ** -0.5)
+        return emulated_kernels().prefill_attention(q, keys, values, q_pos, k_pos, window, init_value)
+
     def residual_norm(self, x, f, w_post, w_next, eps, init_value=None):
         self.glue_rows.append(x.shape[0])
         x_out = x + rms_norm(f, w_post, eps[0])
@@ -155,7 +165,8 @@ LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
 @pytest.mark.parametrize("layout", ["f32", "q4_k_m"])
 def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout):
     """The tensor-core prefill lane (KernelConfig.prefill_f16 = 1: f16 weights, x rounded to f16
-    after a per-row power-of-two scaling, f16 products) over 103 tokens, every position's
+    after a per-row power-of-two scaling, f16 products; the flash attention, q and its weights
+    rounded to f16, its Metal text run by the emulator) over 103 tokens, every position's
     log-probs against the float64 oracle. On the well-conditioned fixture: no farther than
     llama.cpp's F16 lane is on these weights, top-1 the oracle's but at near-ties. On the
     ill-conditioned random-block fixture, where the oracle itself moves by tens of nats and
@@ -174,6 +185,8 @@ def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout):
         return np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), chunk=103, all_logits=True)), kernels
 
     ours, kernels = lane(1)
+    if CXX is not None:   # the chunk's attention took the flash kernel in every layer
+        assert kernels.flash_rows == [103] * g.n_layer
     reference = ReferenceModel(path)
     oracle = reference.logits(tokens)
     d = np.abs(log_softmax(ours) - log_softmax(oracle))

@@ -419,3 +419,63 @@ def test_whole_model_on_emulated_metal_kernels(metal, tmp_path):
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     assert np.isfinite(ours).all()
     assert d.max() < 1.5e-1 and d.mean() < 5e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), (d.max(), d.mean())
+
+
+def prefill_attention_ref(q, keys, values, q_pos, k_pos, window):
+    """float64: each query over the keys it sees (k_pos <= q_pos, within the window), by loops."""
+    L, n_head, hd = q.shape
+    n_kv = keys.shape[0]
+    out = np.zeros((L, n_head, hd))
+    for i in range(L):
+        rel = q_pos[i] - k_pos
+        seen = (rel >= 0) & ((rel < window) if window else True)
+        for h in range(n_head):
+            k, v = keys[h // (n_head // n_kv)][seen].astype(np.float64), values[h // (n_head // n_kv)][seen]
+            s = k @ q[i, h].astype(np.float64) / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[i, h] = p @ v.astype(np.float64) / p.sum()
+    return out.reshape(L, n_head * hd)
+
+
+@pytest.mark.parametrize("n_head, n_kv, hd, held, L, window", [
+    (32, 2, 32, 37, 5, 0),       # the pinned GQA (16 heads a tile = one query), a plane with rows held
+    (12, 2, 48, 16, 40, 16),     # GQA 6:1 (tiles across queries), a ring in rotation, the chunk longer than it
+    (2, 2, 16, 69, 1, 0),        # one query (a one-row chunk), keys not a multiple of the tile
+    (8, 1, 64, 150, 7, 24),      # a window far shorter than the rows held: whole tiles of keys unseen
+])
+def test_prefill_attention(metal, n_head, n_kv, hd, held, L, window):
+    """attention_prefill (flash-style, tensor-core stand-in) against the float64 oracle: each
+    query's softmax over the keys its position and the window let it see, q and the weights
+    rounded to f16 by the kernel (so ~1e-3, not float32's 1e-6)."""
+    rng = np.random.default_rng([n_head, hd, held, L])
+    held_pos = np.arange(held)
+    if window:   # a ring holds the last `window` positions, rotated by its write pointer
+        held_pos = np.roll(np.arange(held - min(held, window), held), 5)
+    k_pos = np.concatenate([held_pos, np.arange(held, held + L)]).astype(np.int32)
+    q_pos = np.arange(held, held + L, dtype=np.int32)
+    N = len(k_pos)
+    q = (rng.standard_normal((L, n_head, hd)) * 2).astype(np.float32)
+    keys = rng.standard_normal((n_kv, N, hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, N, hd)).astype(np.float16)
+    out = np.array(metal.prefill_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(q_pos),
+                                           mx.array(k_pos), window, init_value=NAN))
+    ref = prefill_attention_ref(q, keys, values, q_pos, k_pos, window)
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    err = np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() < 3e-3, err.max()
+
+
+def test_prefill_attention_is_planned_within_memory():
+    """The key tile shrinks until the threadgroup memory fits (Metal: 32 KB); a head dim that is
+    not a multiple of 16 gets no plan (the model keeps the float32 attention)."""
+    from muse_mlx.kernels import Device
+    metal32 = Device("metal", 64)
+    for hd in (16, 48, 128, 256):
+        memory, kw = plan.prefill_attention_launch(9, 32, 2, hd, metal32)
+        assert memory <= 32768 and memory == plan.prefill_attention_memory(hd, dict(kw["template"])["KB"])
+    assert dict(plan.prefill_attention_launch(9, 32, 2, 128, metal32)[1]["template"])["KB"] == 32
+    assert dict(plan.prefill_attention_launch(9, 32, 2, 256, metal32)[1]["template"])["KB"] == 16
+    h200 = Device("cuda", 132, 232448, (9, 0))   # 36 KB at 64 keys: within 48 KB
+    assert dict(plan.prefill_attention_launch(9, 32, 2, 128, h200)[1]["template"])["KB"] == 64
+    assert plan.prefill_attention_launch(9, 32, 2, 40, metal32) is None
+    assert plan.prefill_attention_launch(9, 30, 4, 128, metal32) is None

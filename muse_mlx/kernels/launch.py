@@ -168,6 +168,25 @@ class Kernels:
         return self.kernel("attention_combine_seqs_gated")(inputs=[part_o, part_ml, params, gate],
                                                            init_value=init_value, **combine)[0]
 
+    # ---- prefill attention (prefill_attention.inc) ----
+
+    def prefill_attention(self, q: mx.array, keys: mx.array, values: mx.array, q_pos: mx.array, k_pos: mx.array,
+                          window: int | None, init_value: float | None = None) -> mx.array:
+        """Causal GQA attention of a chunk, flash-style on the tensor cores: q (L, n_head, HD) float32;
+        keys, values (n_kv, N, HD) float16; q_pos (L,), k_pos (N,) int32 absolute positions (key j
+        visible to query i iff k_pos[j] <= q_pos[i] and, with a window W, q_pos[i] - k_pos[j] < W).
+        -> (L, n_head * HD) float32. q and the softmax weights are rounded to f16 for the products."""
+        L, n_head, hd = q.shape
+        n_kv, N, _ = keys.shape
+        launch = plan.prefill_attention_launch(L, n_head, n_kv, hd, self.device)
+        if launch is None:
+            raise ValueError(f"prefill attention does not take head dim {hd} with {n_head} / {n_kv} heads here")
+        memory, kw = launch
+        params = mx.array([L, N, window or 0, 0, 0, 0, 0, 0], dtype=mx.int32)
+        return self.kernel("attention_prefill", memory)(
+            inputs=[q.astype(mx.float32), keys, values, q_pos.astype(mx.int32), k_pos.astype(mx.int32), params],
+            init_value=init_value, **kw)[0]
+
     # ---- the steps between the products (decode_glue.inc) ----
 
     def qk_post(self, q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,

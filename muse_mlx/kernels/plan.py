@@ -350,3 +350,35 @@ def attention_launch(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: int, g
         output_shapes=[out_shape or ((seqs, n_head * hd) if seqs else (n_head, hd))], output_dtypes=[mx.float32],
         stream=mx.gpu)
     return partial, combine
+
+
+# The flash prefill attention (prefill_attention.inc): warps a threadgroup (one m16 tile of
+# (query, head) rows each) and the keys a tile may take, largest first within the memory.
+PREFILL_ATTENTION_WARPS = 4
+PREFILL_ATTENTION_KEYS = (64, 32, 16)
+
+
+def prefill_attention_memory(head_dim: int, keys: int) -> int:
+    """Bytes of threadgroup memory: a tile of K rows and of V columns (each padded by 4 words),
+    the tile's key positions and two flags."""
+    return 4 * (keys * (head_dim // 2 + 4) + head_dim * (keys // 2 + 4) + keys + 4)
+
+
+@lru_cache(maxsize=None)
+def prefill_attention_launch(L: int, n_head: int, n_kv: int, head_dim: int, device: Device) -> tuple[int, dict] | None:
+    """(threadgroup memory in bytes, launch keywords) of attention_prefill for L queries, or None
+    where it does not apply (a head dim not a multiple of 16, heads not a multiple of the KV
+    heads, no key tile within the device's threadgroup memory)."""
+    if head_dim % 16 or n_head % n_kv or L < 1:
+        return None
+    limit = min(device.group_memory, 48 * 1024)
+    kb = next((k for k in PREFILL_ATTENTION_KEYS if prefill_attention_memory(head_dim, k) <= limit), None)
+    if kb is None:
+        return None
+    G, nw = n_head // n_kv, PREFILL_ATTENTION_WARPS
+    tiles = -(-(L * G) // 16)
+    groups = -(-tiles // nw)
+    template = [("HD", head_dim), ("G", G), ("NKV", n_kv), ("NW", nw), ("KB", kb)]
+    return prefill_attention_memory(head_dim, kb), dict(
+        template=template, grid=(groups * 32 * nw, n_kv, 1), threadgroup=(32 * nw, 1, 1),
+        output_shapes=[(L, n_head * head_dim)], output_dtypes=[mx.float32], stream=mx.gpu)

@@ -61,6 +61,9 @@ KERNELS = {
                                ["part_o_all", "part_ml_all", "params_all"], ["out_all"]),
     "attention_combine_seqs_gated": ("attention", ["combine_seqs", "combine_seqs_gate", "combine", "store_gated"],
                                      ["part_o_all", "part_ml_all", "params_all", "gate_all"], ["out_all"]),
+    # prefill_attention.inc: a chunk's queries over the held rows and its own, flash-style on the tensor cores
+    "attention_prefill": ("prefill_attention", ["flash"], ["q", "keys", "values", "q_pos", "k_pos", "params"],
+                          ["out"]),
     # decode_glue.inc: the steps between the products
     "qk_post": ("decode_glue", ["qk_post"], ["q", "k", "v", "q_norm", "k_norm", "rope", "eps"],
                 ["q_out", "k_out", "v_out"]),

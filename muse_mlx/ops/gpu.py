@@ -12,7 +12,8 @@ Two regimes, by the number of token rows in the forward (B sequences x T tokens)
 - longer chunks (prefill): each matrix dequantized for its product, one layer's at a time, to
   float16 by dequant.inc and multiplied on the tensor cores with x rounded to f16 (f16_product,
   KernelConfig.prefill_f16 = 1, the default), or to float32 and multiplied in float32 (0: the
-  exactness lane); the reference's MLX ops for everything else.
+  exactness lane); on the f16 lane on CUDA the attention is the flash kernel
+  (prefill_attention.inc, KernelConfig.prefill_flash); the reference's MLX ops for everything else.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..kernels import Kernels
 from ..kernels import plan as kplan
 from ..kv import SlotCache
 from ..quant import dequantize
-from .reference import Matrix, ReferenceOps, Slice
+from .reference import ChunkStep, Matrix, ReferenceOps, Slice
 
 
 class DecodePlan(NamedTuple):
@@ -258,9 +259,24 @@ class GpuOps(ReferenceOps):
         self.kernels.ready()
 
     def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
-        if T == 1 and all(c.dtype == mx.float16 for c in caches):
+        f16 = all(c.dtype == mx.float16 for c in caches)
+        if T == 1 and f16:
             return decode_plan(caches, self.kernels)
+        if f16 and len(caches) * T > kplan.MAX_BATCH and self.flash_prefill(g):
+            return ChunkStep(g, caches, T, self._flash_rows)
         return super().kv_step(g, caches, T)
+
+    def flash_prefill(self, g: Geometry) -> bool:
+        """Whether a long chunk's attention takes the flash kernel: the f16 lane with prefill_flash on
+        CUDA (on Metal its tensor-core products are a stand-in, correct but slow) and a geometry
+        the kernel's plan takes."""
+        config, device = self.kernels.config, self.kernels.device
+        return bool(config.prefill_f16 and config.prefill_flash and device.backend == "cuda"
+                    and kplan.prefill_attention_launch(1, g.n_head, g.n_head_kv, g.head_dim, device) is not None)
+
+    def _flash_rows(self, q, keys, values, q_pos, k_pos, window):
+        return self.kernels.prefill_attention(q, keys, values, mx.array(q_pos.astype(np.int32)),
+                                              mx.array(k_pos.astype(np.int32)), window)
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
         if self._dequantized:   # bound the dequantized weights alive at once to one layer's

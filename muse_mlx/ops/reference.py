@@ -110,9 +110,12 @@ class ChunkStep:
 
     compiled = False
 
-    def __init__(self, g: Geometry, caches: list[SlotCache], T: int):
+    def __init__(self, g: Geometry, caches: list[SlotCache], T: int, attend_rows=None):
+        """attend_rows(q, keys, values, q_pos, k_pos, window) -> (T, n_head * hd): the causal
+        attention of one sequence's chunk (default: `attention` in float32, MLX ops)."""
         self.g, self.caches, self.T = g, caches, T
         self.scale = 1.0 / float(np.sqrt(g.head_dim))
+        self.attend_rows = attend_rows or (lambda q, k, v, qp, kp, w: attention(q, k, v, qp, kp, w, self.scale))
 
     def attend(self, i: int, q: mx.array, k: mx.array, v: mx.array, gate: Slice) -> mx.array:
         """Layer i: q (B*T, n_head, hd) f32, k, v (n_kv, B*T, hd) in the cache's dtype -> the gated
@@ -129,7 +132,7 @@ class ChunkStep:
             values = mx.concatenate([old_v, v_new], axis=1)
             k_pos = np.concatenate([old_pos, positions])
             layer.append(k_new, v_new)
-            outs.append(attention(q[b * T:(b + 1) * T], keys, values, positions, k_pos, window, self.scale))
+            outs.append(self.attend_rows(q[b * T:(b + 1) * T], keys, values, positions, k_pos, window))
         a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return output_gate(a, gate.dense())
 

@@ -6,13 +6,14 @@
 #           verification.json), at most TEST_TIMEOUT seconds (default 200)
 #   probe   scripts/device/probe_prefill.py: one layer's steps timed alone ($OUT/prefill-probe.json)
 #   prefill the bench's --prefill 512,2048 at --prefill-depths 0,32768 on each of LANES (default
-#           "f16 f32": prefill_f16 = 1 / 0), then llama-bench -p 512,2048 -d 0,32768 when built
+#           "f16 f32": prefill_f16 = 1 / 0; "noflash": the f16 lane with prefill_flash = 0), then llama-bench -p 512,2048 -d 0,32768 when built
 #           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 #   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
 #           warm, MLX's kernel disk cache in a fresh folder: once to fill it (our kernel cache
 #           and MLX's own JIT kernels), then twice each, interleaved, with the weights through the
 #           page-locked staging (the default) and through mx.load (pinned_upload=0); then
 #           `llama-completion -n 1` twice when built ($OUT/cold-start.json)
+# LLAMA_WAIT=0: do not wait for a llama.cpp build still running (its parts are skipped).
 # Carry .device/revision (and .device/part2 on a machine no call has set up yet).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +22,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 MUSE_GIT_REVISION="$
 PARTS=${PARTS:-"cold prefill"}
 G=/tmp/bench.gguf
 LLAMA=/tmp/llama/llama.cpp/build/bin
-wait_llama() { [ -d /tmp/llama ] || return 0; for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
+wait_llama() { [ -d /tmp/llama ] && [ "${LLAMA_WAIT:-1}" = 1 ] || return 0; for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
   echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"; tail -2 /tmp/llama/build.log; }
 need_gguf() {  # the bench GGUF, in the page cache as the issue's timings had it
   [ -f $G ] || python3 scripts/make_bench_gguf.py $G 2>&1 | tail -2 | tee "$OUT/make-gguf.log"; cat $G > /dev/null; }
@@ -38,7 +39,7 @@ fi
 if [[ " $PARTS " == *" prefill "* ]]; then
   need_gguf
   for lane in ${LANES:-f16 f32}; do
-    cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"
+    cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"; [ $lane = noflash ] && cfg="prefill_flash=0"
     timeout 240 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 512,2048 \
       --prefill-depths 0,32768 --reps 3 --no-matvecs ${cfg:+--kernel-config "$cfg"} \
       --receipt "$OUT/prefill-$lane.json" 2>&1 | tee "$OUT/prefill-$lane.log"

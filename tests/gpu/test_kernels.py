@@ -199,7 +199,8 @@ LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
 def test_prefill_lanes_against_the_oracle(fixture_files, name):
     """A 103-token prefill (every position's logits) on both prefill lanes against the float64
     oracle: the float32 lane (prefill_f16 = 0) and the tensor-core lane (1: dequant.inc to f16,
-    x rounded to f16 after a per-row power-of-two scaling, MLX's f16 GEMM). On a well-conditioned
+    x rounded to f16 after a per-row power-of-two scaling, MLX's f16 GEMM, the flash attention
+    with q and its weights in f16; its distance without the flash attention is recorded). On a well-conditioned
     fixture the f16 lane must pick the oracle's top-1 except at near-ties (the oracle's two
     log-probs closer than llama.cpp's F16-lane distance) and stay within that distance. On the
     ill-conditioned random-block one, where the oracle itself moves by up to tens of nats and
@@ -226,6 +227,11 @@ def test_prefill_lanes_against_the_oracle(fixture_files, name):
         fields[f"lane{lane}_max"] = float(d.max())
         fields[f"lane{lane}_median"] = float(np.median(d))
         fields[f"lane{lane}_top1_flips_near_ties"] = lanes[lane][1]
+    with mx.stream(mx.gpu):   # the f16 lane with the float32 attention (prefill_flash = 0): recorded, for the flash kernel's share
+        model = load(fixture_files[name], "gpu", KernelConfig(prefill_f16=1, prefill_flash=0))
+        noflash = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
+    d_noflash = np.abs(log_softmax(noflash.astype(np.float64)) - oracle).max(axis=-1)
+    fields["lane1_noflash_max"], fields["lane1_noflash_median"] = float(d_noflash.max()), float(np.median(d_noflash))
     d, near_ties, finite = lanes[1]
     if name in RANDOM_FIXTURES:
         bound = LLAMA_Q8_0_LANE_FROM_ORACLE
@@ -518,6 +524,46 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     record("decode_attention_seqs", kind=kind, cap=cap, n_valid=list(n_valids), gated=gated, rel_err=worst,
            bitwise_vs_alone=bitwise, **{"pass": ok})
     assert ok, (worst, bitwise)
+
+
+def prefill_attention64(q, keys, values, q_pos, k_pos, window):
+    """float64: each query's softmax over the keys it sees (k_pos <= q_pos, within the window)."""
+    L, n_head, hd = q.shape
+    n_kv = keys.shape[0]
+    rel = q_pos[:, None].astype(np.int64) - k_pos[None, :]
+    seen = (rel >= 0) & ((rel < window) if window else True)
+    out = np.empty((L, n_head, hd))
+    for h in range(n_head):
+        kv = h // (n_head // n_kv)
+        s = q[:, h].astype(np.float64) @ keys[kv].astype(np.float64).T / np.sqrt(hd)
+        s = np.where(seen, s, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = p @ values[kv].astype(np.float64) / p.sum(axis=1, keepdims=True)
+    return out.reshape(L, n_head * hd)
+
+
+@pytest.mark.parametrize("L, held, window", [(512, 0, 0), (512, 2048, 2048), (700, 1024, 1024), (64, 32768, 0),
+                                             (1, 5000, 0), (37, 300, 0)])
+def test_prefill_attention(L, held, window):
+    """The flash prefill attention at the pinned heads (32 / 2, head dim 128) against float64: a
+    chunk at depth 0, on a full ring (rotated) and longer than the ring, on a 32,768-row plane, one
+    query, a short odd chunk. q and the weights are rounded to f16 by the kernel: the allowance
+    is 3e-3 of each row's norm (f16's 2^-11 = 4.9e-4 a rounding, summed over the products)."""
+    rng = np.random.default_rng([SEED, L, held, window])
+    n_head, n_kv, hd = 32, 2, 128
+    held_pos = np.roll(np.arange(max(0, held - window), held), 17) if window else np.arange(held)
+    k_pos = np.concatenate([held_pos, np.arange(held, held + L)]).astype(np.int32)
+    q_pos = np.arange(held, held + L, dtype=np.int32)
+    q = (rng.standard_normal((L, n_head, hd)) * 2).astype(np.float32)
+    keys = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
+    out = np.array(KERNELS.prefill_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(q_pos),
+                                             mx.array(k_pos), window, init_value=float("nan")))
+    ref = prefill_attention64(q, keys, values, q_pos, k_pos, window)
+    err = float((np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max())
+    ok = bool(np.isfinite(out).all() and err < 3e-3)
+    record("prefill_attention", L=L, held=held, window=window, rel_err=err, **{"pass": ok})
+    assert ok, err
 
 
 def rmsnorm64(x, w, eps):
