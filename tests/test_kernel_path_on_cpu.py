@@ -293,3 +293,26 @@ def test_compiled_steps_are_freed_with_the_model(f32_fixture):
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_prefill_layers_in_flight(f32_fixture):
+    """A long chunk's layers submitted without waiting for each (prefill_layers_in_flight = 2): the
+    same logits, bit for bit, as waiting for every layer (1), and never more than that many layers
+    queued after a layer ends."""
+    tokens = mx.array(np.random.default_rng(12).integers(0, DEFAULT_GEOMETRY.n_vocab, 40))
+
+    class Watched(GpuOps):
+        queued = 0
+
+        def end_layer(self, kv, i, *arrays):
+            super().end_layer(kv, i, *arrays)
+            Watched.queued = max(Watched.queued, len(self._in_flight))
+
+    out = {}
+    for n in (1, 2):
+        Watched.queued = 0
+        model = Model(open_artifact(f32_fixture), Watched(StandIns(KernelConfig(prefill_layers_in_flight=n,
+                                                                                 prefill_flash=0))))
+        out[n] = np.array(model.prefill(tokens, model.make_cache(64), all_logits=True))
+        assert Watched.queued == n - 1
+    assert np.array_equal(out[1], out[2])

@@ -173,6 +173,7 @@ class GpuOps(ReferenceOps):
         self.kernels = kernels
         self._eps: dict[tuple, mx.array] = {}
         self._dequantized = False   # a product of this layer dequantized its matrix (a long chunk)
+        self._in_flight: list[list[mx.array]] = []   # the long chunk's layers submitted, not yet waited for
         self._l1_max: dict[int, mx.array] = {}   # id of a raw matrix's data -> its f16 values' largest row L1 norm
 
     @property
@@ -257,6 +258,7 @@ class GpuOps(ReferenceOps):
 
     def ready(self) -> None:
         self.kernels.ready()
+        self._in_flight.clear()   # the forward's outputs are evaluated next, which waits for them all
 
     def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
         f16 = all(c.dtype == mx.float16 for c in caches)
@@ -279,7 +281,15 @@ class GpuOps(ReferenceOps):
                                               mx.array(k_pos.astype(np.int32)), window)
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
-        if self._dequantized:   # bound the dequantized weights alive at once to one layer's
+        """A long chunk's layer is submitted here, and the host waits for the layer before it when
+        more than KernelConfig.prefill_layers_in_flight would be queued: so at most that many
+        layers' dequantized weights exist at once, and with 2 the host builds the next layer
+        while the GPU runs this one."""
+        if self._dequantized:
             self.kernels.ready()
-            mx.eval(*arrays, *kv.layer_state(i))
+            layer = [*arrays, *kv.layer_state(i)]
+            mx.async_eval(*layer)
+            self._in_flight.append(layer)
+            while len(self._in_flight) >= self.kernels.config.prefill_layers_in_flight:
+                mx.eval(*self._in_flight.pop(0))
             self._dequantized = False
