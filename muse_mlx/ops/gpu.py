@@ -14,7 +14,8 @@ Two regimes, by the number of token rows in the forward (B sequences x T tokens)
   KernelConfig.prefill_f16 = 1, the default), or to float32 and multiplied in float32 (0: the
   exactness lane); on the f16 lane on CUDA the attention is the flash kernel
   (prefill_attention.inc, KernelConfig.prefill_flash) and, with KernelConfig.prefill_gemm, the
-  products a raw-block GEMM that decodes the rows inside (dequant.inc, untimed); the reference's MLX ops for everything else.
+  products a raw-block GEMM that decodes the rows inside (dequant.inc, untimed); the reference's
+  MLX ops for everything else.
 """
 
 from __future__ import annotations

@@ -227,7 +227,8 @@ def test_prefill_lanes_against_the_oracle(fixture_files, name):
         fields[f"lane{lane}_max"] = float(d.max())
         fields[f"lane{lane}_median"] = float(np.median(d))
         fields[f"lane{lane}_top1_flips_near_ties"] = lanes[lane][1]
-    with mx.stream(mx.gpu):   # the f16 lane with the float32 attention (prefill_flash = 0): recorded, for the flash kernel's share
+    # the f16 lane with the float32 attention (prefill_flash = 0): recorded, for the flash kernel's share
+    with mx.stream(mx.gpu):
         model = load(fixture_files[name], "gpu", KernelConfig(prefill_f16=1, prefill_flash=0))
         noflash = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
     d_noflash = np.abs(log_softmax(noflash.astype(np.float64)) - oracle).max(axis=-1)
