@@ -20,7 +20,7 @@ from muse_mlx.kernels import plan
 from muse_mlx.tools.fixtures import random_blocks
 
 from metal_emulator import CXX, emulated_kernels
-from reference import attention_ref, log_softmax
+from reference import attention_ref, log_softmax, prefill_attention_ref
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 NAN = float("nan")
@@ -419,22 +419,6 @@ def test_whole_model_on_emulated_metal_kernels(metal, tmp_path):
     d = np.abs(log_softmax(ours) - log_softmax(ref))
     assert np.isfinite(ours).all()
     assert d.max() < 1.5e-1 and d.mean() < 5e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), (d.max(), d.mean())
-
-
-def prefill_attention_ref(q, keys, values, q_pos, k_pos, window):
-    """float64: each query over the keys it sees (k_pos <= q_pos, within the window), by loops."""
-    L, n_head, hd = q.shape
-    n_kv = keys.shape[0]
-    out = np.zeros((L, n_head, hd))
-    for i in range(L):
-        rel = q_pos[i] - k_pos
-        seen = (rel >= 0) & ((rel < window) if window else True)
-        for h in range(n_head):
-            k, v = keys[h // (n_head // n_kv)][seen].astype(np.float64), values[h // (n_head // n_kv)][seen]
-            s = k @ q[i, h].astype(np.float64) / np.sqrt(hd)
-            p = np.exp(s - s.max())
-            out[i, h] = p @ v.astype(np.float64) / p.sum()
-    return out.reshape(L, n_head * hd)
 
 
 @pytest.mark.parametrize("n_head, n_kv, hd, held, L, window", [

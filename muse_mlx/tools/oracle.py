@@ -137,6 +137,23 @@ def attention_ref(q, keys, values, n_valid):
     return out
 
 
+def prefill_attention_ref(q, keys, values, q_pos, k_pos, window):
+    """A chunk's causal GQA attention in float64: query i over the keys j it sees (k_pos[j] <=
+    q_pos[i] and, with a window W, q_pos[i] - k_pos[j] < W); q (L, n_head, HD), keys / values
+    (n_kv, N, HD) -> (L, n_head * HD). The oracle of the flash prefill attention."""
+    q, k, v = (np.asarray(a).astype(np.float64) for a in (q, keys, values))
+    L, n_head, hd = q.shape
+    group = n_head // k.shape[0]
+    rel = np.asarray(q_pos, np.int64)[:, None] - np.asarray(k_pos, np.int64)[None, :]
+    seen = (rel >= 0) & ((rel < window) if window else True)
+    out = np.empty((L, n_head, hd))
+    for h in range(n_head):
+        s = np.where(seen, q[:, h] @ k[h // group].T / np.sqrt(hd), -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = p @ v[h // group] / p.sum(axis=1, keepdims=True)
+    return out.reshape(L, n_head * hd)
+
+
 def position_errors(logits: np.ndarray, oracle: np.ndarray) -> np.ndarray:
     """max |Δ log-prob| over the vocabulary, per position."""
     return np.abs(log_softmax(logits) - log_softmax(oracle)).max(axis=-1)

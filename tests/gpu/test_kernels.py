@@ -20,7 +20,8 @@ from muse_mlx.kernels import Kernels, gpu_device, plan
 from muse_mlx.model import load
 from muse_mlx.quant import dequantize
 from muse_mlx.tools.fixtures import DEFAULT_GEOMETRY, kquant_mix, random_blocks, write_fixture, write_random_blocks
-from reference import F16_EPS, ReferenceModel, attention_ref, log_softmax, within_float32_noise, within_precision_noise
+from reference import (F16_EPS, ReferenceModel, attention_ref, log_softmax, prefill_attention_ref, within_float32_noise,
+                       within_precision_noise)
 
 pytestmark = pytest.mark.skipif(gpu_device() is None, reason="no Metal or CUDA device")
 KERNELS = Kernels(gpu_device(), KernelConfig()) if gpu_device() is not None else None
@@ -564,22 +565,6 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     assert ok, (worst, bitwise)
 
 
-def prefill_attention64(q, keys, values, q_pos, k_pos, window):
-    """float64: each query's softmax over the keys it sees (k_pos <= q_pos, within the window)."""
-    L, n_head, hd = q.shape
-    n_kv = keys.shape[0]
-    rel = q_pos[:, None].astype(np.int64) - k_pos[None, :]
-    seen = (rel >= 0) & ((rel < window) if window else True)
-    out = np.empty((L, n_head, hd))
-    for h in range(n_head):
-        kv = h // (n_head // n_kv)
-        s = q[:, h].astype(np.float64) @ keys[kv].astype(np.float64).T / np.sqrt(hd)
-        s = np.where(seen, s, -np.inf)
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[:, h] = p @ values[kv].astype(np.float64) / p.sum(axis=1, keepdims=True)
-    return out.reshape(L, n_head * hd)
-
-
 @pytest.mark.parametrize("L, held, window", [(512, 0, 0), (512, 2048, 2048), (700, 1024, 1024), (64, 32768, 0),
                                              (1, 5000, 0), (37, 300, 0)])
 def test_prefill_attention(L, held, window):
@@ -597,7 +582,7 @@ def test_prefill_attention(L, held, window):
     values = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
     out = np.array(KERNELS.prefill_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(q_pos),
                                              mx.array(k_pos), window, init_value=float("nan")))
-    ref = prefill_attention64(q, keys, values, q_pos, k_pos, window)
+    ref = prefill_attention_ref(q, keys, values, q_pos, k_pos, window)
     err = float((np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max())
     ok = bool(np.isfinite(out).all() and err < 3e-3)
     record("prefill_attention", L=L, held=held, window=window, rel_err=err, **{"pass": ok})
