@@ -284,6 +284,21 @@ def test_prefill_gemm_lane_against_the_oracle(fixture_files):
     assert ok, (float(d.max()), len(flips))
 
 
+def test_prefill_layers_in_flight_same_bits(fixture_files):
+    """A long chunk with two layers in flight (the default) against each layer waited for: the same
+    logits bit for bit on the GPU, on the random Q4_K_M fixture (the same graph, submitted sooner)."""
+    tokens = mx.array(np.random.default_rng([SEED, 14]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103))
+    out = {}
+    with mx.stream(mx.gpu):
+        for n in (1, 2):
+            model = load(fixture_files["Q4_K_M-random"], "gpu", KernelConfig(prefill_layers_in_flight=n))
+            out[n] = np.array(model.prefill(tokens, model.make_cache(len(tokens)), all_logits=True))
+            del model
+    ok = bool(np.isfinite(out[2]).all() and np.array_equal(out[1], out[2]))
+    record("prefill_layers_in_flight_same_bits", fixture="Q4_K_M-random", **{"pass": ok})
+    assert ok, float(np.abs(out[1] - out[2]).max())
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_dequantize_to_f16(qtype, shape):
