@@ -53,7 +53,11 @@ class KernelConfig:
     prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 1 = the flash kernel
         (prefill_attention.inc: online softmax on the tensor cores, q and the weights rounded to
         f16, no score matrix); 0 = MLX ops in float32 with the scores in memory (the exactness
-        lane's attention, which prefill_f16 = 0 always takes).
+        lane's attention, which prefill_f16 = 0 always takes); 2 = MLX's fused attention
+        (ops/gpu.fused_attention, cuDNN's on CUDA, f16 out) where the keys are in position order
+        and no window cuts (mask="causal"), the flash kernel elsewhere; 3 = the fused attention
+        everywhere, with an additive mask where 2 takes the kernel. Head dims over 128 keep the
+        kernel. 2 and 3 are untimed in the model (ledger, 2026-12-03).
     prefill_gemm: with prefill_f16 = 1 on CUDA, a chunk's products over Q4_K / Q5_K / Q6_K / Q8_0
         / NVFP4 rows: 1 = the raw-block GEMM (dequant.inc: the rows decoded to their f16 values tile
         by tile inside the kernel, float32 results, the weights never written out); 0 = each
@@ -90,7 +94,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
-                  "prefill_f16": (0, 1), "prefill_flash": (0, 1), "prefill_gemm": (0, 1),
+                  "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_gemm": (0, 1),
                   "prefill_layers_in_flight": (1, 2), "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)

@@ -170,13 +170,15 @@ LLAMA_F16_LANE_FROM_ORACLE = 2.07e-2
 LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
 
 
-@pytest.mark.parametrize("layout, gemm", [("f32", 0), ("q4_k_m", 0), ("q4_k_m", 1)],
-                         ids=["f32", "q4_k_m", "q4_k_m-raw-block-gemm"])
-def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, gemm):
+@pytest.mark.parametrize("layout, gemm, flash", [("f32", 0, 1), ("q4_k_m", 0, 1), ("q4_k_m", 1, 1), ("f32", 0, 3),
+                                                 ("q4_k_m", 0, 3)],
+                         ids=["f32", "q4_k_m", "q4_k_m-raw-block-gemm", "f32-fused", "q4_k_m-fused"])
+def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, gemm, flash):
     """The tensor-core prefill lane (KernelConfig.prefill_f16 = 1: f16 weights, x rounded to f16
     after a per-row power-of-two scaling, f16 products; the flash attention, q and its weights
     rounded to f16, its Metal text run by the emulator; with `gemm` the quantized products through
-    the raw-block GEMM's contract, x scaled as for the f16 GEMM) over 103 tokens, every position's
+    the raw-block GEMM's contract, x scaled as for the f16 GEMM; with `flash` 3 the attention by
+    MLX's fused attention, f16 out) over 103 tokens, every position's
     log-probs against the float64 oracle. On the well-conditioned fixture: no farther than
     llama.cpp's F16 lane is on these weights, top-1 the oracle's but at near-ties. On the
     ill-conditioned random-block fixture, where the oracle itself moves by tens of nats and
@@ -190,13 +192,13 @@ def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, gemm
     tokens = np.random.default_rng(6).integers(0, g.n_vocab, 103)
 
     def lane(f16):
-        kernels = StandIns(KernelConfig(prefill_f16=f16, prefill_gemm=gemm if f16 else 0))
+        kernels = StandIns(KernelConfig(prefill_f16=f16, prefill_gemm=gemm if f16 else 0, prefill_flash=flash))
         model = Model(open_artifact(path), GpuOps(kernels))
         return np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), chunk=103, all_logits=True)), kernels
 
     ours, kernels = lane(1)
-    if CXX is not None:   # the chunk's attention took the flash kernel in every layer
-        assert kernels.flash_rows == [103] * g.n_layer
+    if CXX is not None or flash == 3:   # the chunk's attention took the flash kernel in every layer, or none
+        assert kernels.flash_rows == ([103] * g.n_layer if flash == 1 else [])
     assert (kernels.gemm_calls > 0) == (gemm and layout == "q4_k_m")   # the GEMM takes quantized rows only
     reference = ReferenceModel(path)
     oracle = reference.logits(tokens)
@@ -211,6 +213,44 @@ def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, gemm
         verdict = within_precision_noise(ours, lane(0)[0], reference, tokens, F16_EPS)
         assert verdict["ok"], verdict
         assert np.median(d.max(axis=-1)) < LLAMA_Q8_0_LANE_FROM_ORACLE, np.median(d.max(axis=-1))
+
+
+def test_causal_in_order():
+    """Which chunks MLX's fused attention takes as mask="causal": keys consecutive and ending with
+    the queries' positions, no window cutting a causal pair."""
+    from muse_mlx.ops.gpu import causal_in_order
+
+    assert causal_in_order(np.arange(8, 12), np.arange(12), None)
+    assert causal_in_order(np.arange(0, 4), np.arange(4), 4)            # the window reaches every key
+    assert not causal_in_order(np.arange(0, 5), np.arange(5), 4)        # ... and here it cuts one pair
+    assert not causal_in_order(np.arange(8, 12), np.roll(np.arange(12), 3), None)   # a rotated ring
+    assert not causal_in_order(np.arange(8, 12), np.arange(1, 13), None)            # keys past the queries
+    assert not causal_in_order(np.arange(8, 12), np.array([0, 1, 2, 3, 5, 6, 7, 8, 8, 9, 10, 11]), None)
+    assert not causal_in_order(np.arange(8, 12), np.arange(3), None)
+
+
+@pytest.mark.parametrize("L, held, window", [(40, 0, 0), (40, 64, 64), (100, 32, 32), (16, 300, 0), (1, 90, 0),
+                                             (24, 10, 64)])
+def test_fused_attention_against_float64(L, held, window):
+    """ops/gpu.fused_attention (MLX's fused attention; its fallback ops on the CPU) against the float64
+    oracle: a chunk at depth 0, on a full rotated ring, longer than the ring, on a plane, one
+    query, and a window that does not cut; mask="causal" or the positions' mask, whichever it
+    takes. q and the result are f16, so the allowance is 3e-3 of each row's norm."""
+    from muse_mlx.ops.gpu import fused_attention
+    from muse_mlx.tools.oracle import prefill_attention_ref
+
+    rng = np.random.default_rng([L, held, window])
+    n_head, n_kv, hd = 8, 2, 32
+    held_pos = np.roll(np.arange(max(0, held - window), held), 5) if window else np.arange(held)
+    k_pos = np.concatenate([held_pos, np.arange(held, held + L)])
+    q_pos = np.arange(held, held + L)
+    q = (rng.standard_normal((L, n_head, hd)) * 2).astype(np.float32)
+    keys = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
+    out = np.array(fused_attention(mx.array(q), mx.array(keys), mx.array(values), q_pos, k_pos, window or None))
+    ref = prefill_attention_ref(q, keys, values, q_pos, k_pos, window)
+    err = (np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max()
+    assert out.shape == (L, n_head * hd) and np.isfinite(out).all() and err < 3e-3, err
 
 
 def test_f16_product_cannot_overflow():

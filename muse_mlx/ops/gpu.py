@@ -167,6 +167,35 @@ def f16_product(x: mx.array, w16: mx.array, l1_max: mx.array) -> mx.array:
     return _unscaled(x16 @ w16.T, inverse)
 
 
+def causal_in_order(q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> bool:
+    """Whether a chunk's visibility is plain causal, aligned at the end: the keys are consecutive
+    positions ending with the queries' own, and no window cuts a pair that causality lets through
+    (what MLX's fused attention takes as mask="causal")."""
+    N, L = len(k_pos), len(q_pos)
+    if N < L or L == 0 or k_pos[-1] - k_pos[0] != N - 1 or not np.array_equal(q_pos, k_pos[N - L:]):
+        return False
+    return bool(np.all(np.diff(k_pos) == 1)) and (window is None or q_pos[-1] - k_pos[0] < window)
+
+
+def fused_attention(q: mx.array, keys: mx.array, values: mx.array, q_pos: np.ndarray, k_pos: np.ndarray,
+                    window: int | None) -> mx.array:
+    """A chunk's causal GQA attention by MLX's fused attention (mx.fast.scaled_dot_product_attention;
+    cuDNN's flash attention on CUDA for head dims up to 128): q (L, n_head, HD) float32 rounded to
+    f16, keys / values (n_kv, N, HD) f16, positions as ChunkStep gives them -> (L, n_head * HD)
+    float32 (the f16 result widened). Keys in position order take mask="causal"; a ring's rotated
+    rows or a window that cuts take an additive mask made on the device from the positions."""
+    L, n_head, hd = q.shape
+    if causal_in_order(q_pos, k_pos, window):
+        mask = "causal"
+    else:
+        rel = mx.array(q_pos.astype(np.int32))[:, None] - mx.array(k_pos.astype(np.int32))[None, :]
+        seen = (rel >= 0) & (rel < window) if window else rel >= 0
+        mask = mx.where(seen, mx.array(0.0, mx.float16), mx.array(-np.inf, mx.float16))
+    o = mx.fast.scaled_dot_product_attention(q.astype(mx.float16).transpose(1, 0, 2)[None], keys[None], values[None],
+                                             scale=float(hd) ** -0.5, mask=mask)
+    return o[0].transpose(1, 0, 2).reshape(L, n_head * hd).astype(mx.float32)
+
+
 class GpuOps(ReferenceOps):
     name = "gpu"
 
@@ -285,6 +314,9 @@ class GpuOps(ReferenceOps):
                     and kplan.prefill_attention_launch(1, g.n_head, g.n_head_kv, g.head_dim, device) is not None)
 
     def _flash_rows(self, q, keys, values, q_pos, k_pos, window):
+        mode = self.kernels.config.prefill_flash
+        if q.shape[-1] <= 128 and (mode == 3 or (mode == 2 and causal_in_order(q_pos, k_pos, window))):
+            return fused_attention(q, keys, values, q_pos, k_pos, window)
         return self.kernels.prefill_attention(q, keys, values, mx.array(q_pos.astype(np.int32)),
                                               mx.array(k_pos.astype(np.int32)), window)
 

@@ -5,7 +5,7 @@
 At the pinned heads (32 query heads over 2 KV heads, head dim 128), for a full layer (keys in
 position order, no window: causal, aligned bottom-right) at several (queries, keys), and a
 sliding layer's ring (window 2,048): Kernels.prefill_attention, and for the full layer
-mx.fast.scaled_dot_product_attention(mask="causal") on f16 q/K/V, each with its TFLOP/s over
+ops/gpu.fused_attention (MLX's fused attention; on the ring with the positions' mask), each with its TFLOP/s over
 the visible pairs. Then both against the float64 oracle (tools/oracle.prefill_attention_ref)
 at 512 queries over 4,096 keys: max |error| over each row's norm. One warm-up, median of 5.
 Random q/K/V (synthetic).
@@ -33,15 +33,16 @@ def timed(fn, reps: int = 5) -> dict:
 
 def main() -> int:
     from muse_mlx.kernels import Kernels, gpu_device
+    from muse_mlx.ops.gpu import causal_in_order, fused_attention
     from muse_mlx.tools.oracle import prefill_attention_ref
     from muse_mlx.tools.receipts import make_receipt, write_receipt
 
     out = sys.argv[1]
     kernels = Kernels(gpu_device())
     H, KV, HD = 32, 2, 128
-    scale = 1 / np.sqrt(HD)
     cells = []
-    for L, N, window in ((512, 512, 0), (512, 33280, 0), (2048, 34816, 0), (512, 131072, 0), (512, 2560, 2048)):
+    for L, N, window in ((512, 512, 0), (512, 33280, 0), (2048, 34816, 0), (512, 131072, 0), (512, 2560, 2048),
+                             (2048, 4096, 2048)):
         q = mx.random.normal((L, H, HD))
         keys = mx.random.normal((KV, N, HD)).astype(mx.float16)
         values = mx.random.normal((KV, N, HD)).astype(mx.float16)
@@ -53,14 +54,14 @@ def main() -> int:
         cell = {"L": L, "N": N, "window": window, "flash": timed(lambda: kernels.prefill_attention(q, keys, values, q_pos, k_pos, window or None))}
         cell["flash_tflops"] = flop / cell["flash"]["median_ms"] / 1e9
         line = f"L {L:5d} N {N:6d} W {window:4d}: flash {cell['flash']['median_ms']:.3f} ms ({cell['flash_tflops']:.0f} TFLOP/s)"
-        if not window:
-            def fused():
-                q16 = (q.astype(mx.float16)).transpose(1, 0, 2)[None]
-                o = mx.fast.scaled_dot_product_attention(q16, keys[None], values[None], scale=scale, mask="causal")
-                return o[0].transpose(1, 0, 2).reshape(L, H * HD).astype(mx.float32)
-            cell["fused"] = timed(fused)
-            cell["fused_tflops"] = flop / cell["fused"]["median_ms"] / 1e9
-            line += f", mx.fast sdpa {cell['fused']['median_ms']:.3f} ms ({cell['fused_tflops']:.0f} TFLOP/s)"
+        qp, kp = np.asarray(q_pos), np.asarray(k_pos)
+        if window:   # a ring in rotation, as the cache holds it: the positions' mask
+            kp = np.concatenate([np.roll(kp[:N - L], 17), kp[N - L:]])
+            k_pos = mx.array(kp)
+        cell["fused"] = timed(lambda: fused_attention(q, keys, values, qp, kp, window or None))
+        cell["fused_mask"] = "causal" if causal_in_order(qp, kp, window or None) else "positions"
+        cell["fused_tflops"] = flop / cell["fused"]["median_ms"] / 1e9
+        line += f", fused ({cell['fused_mask']}) {cell['fused']['median_ms']:.3f} ms ({cell['fused_tflops']:.0f} TFLOP/s)"
         print(line, flush=True)
         cells.append(cell)
         del q, keys, values
@@ -76,9 +77,7 @@ def main() -> int:
     norm = np.linalg.norm(ref.reshape(L, H, HD), axis=-1)[..., None]
     flash = np.array(kernels.prefill_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(q_pos),
                                                mx.array(k_pos), None))
-    o = mx.fast.scaled_dot_product_attention(mx.array(q).astype(mx.float16).transpose(1, 0, 2)[None],
-                                             mx.array(keys)[None], mx.array(values)[None], scale=scale, mask="causal")
-    fused = np.array(o[0].transpose(1, 0, 2).reshape(L, H * HD).astype(mx.float32))
+    fused = np.array(fused_attention(mx.array(q), mx.array(keys), mx.array(values), q_pos, k_pos, None))
     errors = {name: float((np.abs(a.reshape(L, H, HD) - ref.reshape(L, H, HD)) / norm).max())
               for name, a in (("flash", flash), ("fused", fused))}
     print(f"against float64 (512 x 4096): {errors}", flush=True)

@@ -604,6 +604,51 @@ def test_prefill_attention(L, held, window):
     assert ok, err
 
 
+@pytest.mark.parametrize("L, held, window", [(512, 0, 0), (512, 2048, 2048), (700, 1024, 1024), (64, 32768, 0),
+                                             (1, 5000, 0), (37, 300, 0)])
+def test_fused_attention(L, held, window):
+    """ops/gpu.fused_attention (MLX's fused attention: cuDNN's on CUDA) at the pinned heads against
+    float64, on test_prefill_attention's cases (mask="causal" where the keys are in order, the
+    positions' mask on a rotated ring or where the window cuts): within 3e-3 of each row's norm."""
+    from muse_mlx.ops.gpu import fused_attention
+
+    rng = np.random.default_rng([SEED, L, held, window, 3])
+    n_head, n_kv, hd = 32, 2, 128
+    held_pos = np.roll(np.arange(max(0, held - window), held), 17) if window else np.arange(held)
+    k_pos = np.concatenate([held_pos, np.arange(held, held + L)]).astype(np.int32)
+    q_pos = np.arange(held, held + L, dtype=np.int32)
+    q = (rng.standard_normal((L, n_head, hd)) * 2).astype(np.float32)
+    keys = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
+    with mx.stream(mx.gpu):
+        out = np.array(fused_attention(mx.array(q), mx.array(keys), mx.array(values), q_pos, k_pos, window or None))
+    ref = prefill_attention_ref(q, keys, values, q_pos, k_pos, window)
+    err = float((np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max())
+    ok = bool(np.isfinite(out).all() and err < 3e-3)
+    record("fused_attention", L=L, held=held, window=window, rel_err=err, **{"pass": ok})
+    assert ok, err
+
+
+@pytest.mark.parametrize("name", ["F32", "Q8_0"])
+def test_prefill_fused_attention_lane_against_the_oracle(fixture_files, name):
+    """The f16 lane with MLX's fused attention in every layer (prefill_flash = 3), 103 positions'
+    log-probs against the float64 oracle: the rule of test_prefill_lanes_against_the_oracle's
+    well-conditioned fixtures (within llama.cpp's F16-lane distance, top-1 but at near-ties)."""
+    tokens = np.random.default_rng([SEED, 13]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103)
+    oracle = log_softmax(ReferenceModel(fixture_files[name]).logits(tokens))
+    with mx.stream(mx.gpu):
+        model = load(fixture_files[name], "gpu", KernelConfig(prefill_flash=3))
+        ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
+    d = np.abs(log_softmax(ours.astype(np.float64)) - oracle).max(axis=-1)
+    flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]
+    gaps = oracle[flips, oracle.argmax(-1)[flips]] - oracle[flips, ours.argmax(-1)[flips]]
+    ok = bool(np.isfinite(ours).all() and d.max() < LLAMA_F16_LANE_FROM_ORACLE
+              and (gaps < LLAMA_F16_LANE_FROM_ORACLE).all())
+    record("prefill_fused_lane_vs_oracle", fixture=name, max=float(d.max()), median=float(np.median(d)),
+           top1_flips=int(len(flips)), **{"pass": ok})
+    assert ok, (float(d.max()), len(flips))
+
+
 def rmsnorm64(x, w, eps):
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w.astype(np.float64)
