@@ -58,11 +58,6 @@ class KernelConfig:
         and no window cuts (mask="causal"), the flash kernel elsewhere; 3 = the fused attention
         everywhere, with an additive mask where 2 takes the kernel. Head dims over 128 keep the
         kernel. 2 and 3 are untimed in the model (ledger, 2026-12-03).
-    prefill_gemm: with prefill_f16 = 1 on CUDA, a chunk's products over Q4_K / Q5_K / Q6_K / Q8_0
-        / NVFP4 rows: 1 = the raw-block GEMM (dequant.inc: the rows decoded to their f16 values tile
-        by tile inside the kernel, float32 results, the weights never written out); 0 = each
-        matrix written as f16 by the dequantize kernel, then MLX's f16 GEMM. 0 until 1 is timed
-        on the GPU (ledger, 2026-12-03).
     prefill_layers_in_flight: a long chunk's layers the GPU may hold queued at once (each with its
         dequantized weights): 1 = each layer evaluated before the next is built; 2 = the next is
         built on the host while the GPU runs the one before (at most two layers' f16 weights, ~2.1
@@ -85,7 +80,6 @@ class KernelConfig:
     mma_pair_min_rows: int = 16384
     prefill_f16: int = 1
     prefill_flash: int = 1
-    prefill_gemm: int = 0
     prefill_layers_in_flight: int = 2
     pinned_upload: int = 1
 
@@ -94,8 +88,8 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
-                  "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_gemm": (0, 1),
-                  "prefill_layers_in_flight": (1, 2), "pinned_upload": (0, 1)}
+                  "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_layers_in_flight": (1, 2),
+                  "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

@@ -83,9 +83,6 @@ CASES = [
     ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
     *[(f"dequant_{v}", ["uint8"], ["float16"], [("K", 6656), ("N", 19968), ("UPR", 6656 // u), ("TPG", 256)])
       for v, u in (("q4_k", 32), ("q5_k", 32), ("q6_k", 16), ("q8_0", 32), ("nvfp4", 16))],
-    *[(f"gemm_{v}", ["uint8", "float16", "int32"], ["float32"],
-       [("K", 6656), ("N", 39936), ("BN", 64), ("BM", 128), ("KT", 64), ("UPK", 64 // u), ("NW", 4)])
-      for v, u in (("q4_k", 32), ("q5_k", 32), ("q6_k", 16), ("q8_0", 32), ("nvfp4", 16))],
 ]
 
 def wrap(name: str, header: str, source: str, inputs, in_types, outputs, out_types, template) -> str:

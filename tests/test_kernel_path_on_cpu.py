@@ -45,7 +45,6 @@ class StandIns(Kernels):
         self.attention_launches_seqs = []   # sequences of each one-launch attention over several
         self.dequantized = []
         self.flash_rows = []   # queries of each flash prefill attention
-        self.gemm_calls = 0
 
     def dequantize(self, w, qtype, K, init_value=None):
         self.dequantized.append(qtype)
@@ -108,13 +107,6 @@ class StandIns(Kernels):
             gate_offset=b * gate.shape[-1] + gate_offset if gate is not None else 0,
             out_shape=(1, q.shape[-2] * q.shape[-1])) for b in range(len(keys))], axis=0)
 
-    def gemm(self, w, qtype, x16, K, init_value=None):
-        """The contract: x16 times the rows' values rounded to f16, float32 out (the kernel's body is
-        checked in the emulator by test_metal_kernels_emulated.test_raw_block_gemm; through it here
-        the 8 layers' products took ~8 minutes on 2 cores)."""
-        self.gemm_calls += 1
-        return x16.astype(mx.float32) @ dequantize(w, qtype).astype(mx.float16).astype(mx.float32).T
-
     def prefill_attention(self, q, keys, values, q_pos, k_pos, window, init_value=None):
         """The kernel's own body: its Metal text run by the emulator (tests/metal_emulator.py)."""
         self.flash_rows.append(q.shape[0])
@@ -170,15 +162,13 @@ LLAMA_F16_LANE_FROM_ORACLE = 2.07e-2
 LLAMA_Q8_0_LANE_FROM_ORACLE = 0.210
 
 
-@pytest.mark.parametrize("layout, gemm, flash", [("f32", 0, 1), ("q4_k_m", 0, 1), ("q4_k_m", 1, 1), ("f32", 0, 3),
-                                                 ("q4_k_m", 0, 3)],
-                         ids=["f32", "q4_k_m", "q4_k_m-raw-block-gemm", "f32-fused", "q4_k_m-fused"])
-def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, gemm, flash):
+@pytest.mark.parametrize("layout, flash", [("f32", 1), ("q4_k_m", 1), ("f32", 3), ("q4_k_m", 3)],
+                         ids=["f32", "q4_k_m", "f32-fused", "q4_k_m-fused"])
+def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, flash):
     """The tensor-core prefill lane (KernelConfig.prefill_f16 = 1: f16 weights, x rounded to f16
     after a per-row power-of-two scaling, f16 products; the flash attention, q and its weights
-    rounded to f16, its Metal text run by the emulator; with `gemm` the quantized products through
-    the raw-block GEMM's contract, x scaled as for the f16 GEMM; with `flash` 3 the attention by
-    MLX's fused attention, f16 out) over 103 tokens, every position's
+    rounded to f16, its Metal text run by the emulator; with `flash` 3 the attention by MLX's
+    fused attention, f16 out) over 103 tokens, every position's
     log-probs against the float64 oracle. On the well-conditioned fixture: no farther than
     llama.cpp's F16 lane is on these weights, top-1 the oracle's but at near-ties. On the
     ill-conditioned random-block fixture, where the oracle itself moves by tens of nats and
@@ -192,14 +182,13 @@ def test_prefill_f16_lane_against_the_oracle(tmp_path, f32_fixture, layout, gemm
     tokens = np.random.default_rng(6).integers(0, g.n_vocab, 103)
 
     def lane(f16):
-        kernels = StandIns(KernelConfig(prefill_f16=f16, prefill_gemm=gemm if f16 else 0, prefill_flash=flash))
+        kernels = StandIns(KernelConfig(prefill_f16=f16, prefill_flash=flash))
         model = Model(open_artifact(path), GpuOps(kernels))
         return np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), chunk=103, all_logits=True)), kernels
 
     ours, kernels = lane(1)
     if CXX is not None or flash == 3:   # the chunk's attention took the flash kernel in every layer, or none
         assert kernels.flash_rows == ([103] * g.n_layer if flash == 1 else [])
-    assert (kernels.gemm_calls > 0) == (gemm and layout == "q4_k_m")   # the GEMM takes quantized rows only
     reference = ReferenceModel(path)
     oracle = reference.logits(tokens)
     d = np.abs(log_softmax(ours) - log_softmax(oracle))

@@ -463,22 +463,3 @@ def test_prefill_attention_is_planned_within_memory():
     assert dict(plan.prefill_attention_launch(9, 32, 2, 128, h200)[1]["template"])["KB"] == 64
     assert plan.prefill_attention_launch(9, 32, 2, 40, metal32) is None
     assert plan.prefill_attention_launch(9, 30, 4, 128, metal32) is None
-
-
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.NVFP4], ids=lambda t: t.name)
-@pytest.mark.parametrize("n, k, m", [(72, 256, 130), (64, 512, 1), (5, 256, 37)])
-def test_raw_block_gemm(metal, qtype, n, k, m):
-    """dequant.inc's GEMM (the prefill's products, the weights decoded tile by tile in threadgroup
-    memory, never written out) against float64: x (f16) times gguf-py's values rounded to f16 (the
-    f16 lane's weights), summed in float64; the kernel sums in float32 on the (stand-in) tensor
-    cores, so within 1e-5 of the summed terms. Rows and tokens not multiples of the tile (72 rows,
-    130 tokens: a second tile of 2), one token, five rows; K over one and over several tiles."""
-    rng = np.random.default_rng([n, k, m, int(qtype), 21])
-    w = random_blocks(n, k, qtype, rng)
-    x16 = (rng.standard_normal((m, k)) * 4).astype(np.float16)
-    out = np.array(metal.gemm(mx.array(w), qtype, mx.array(x16), k, init_value=NAN))
-    w16 = gguf_dequantize(w, qtype).reshape(n, k).astype(np.float16).astype(np.float64)
-    ref = x16.astype(np.float64) @ w16.T
-    terms = np.abs(x16.astype(np.float64)) @ np.abs(w16).T
-    assert out.shape == (m, n) and np.isfinite(out).all()
-    assert (np.abs(out - ref) / np.maximum(terms, 1e-30)).max() < 1e-5

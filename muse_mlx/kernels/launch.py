@@ -126,17 +126,6 @@ class Kernels:
             outs.append(self.kernel(name, memory)(inputs=[w, *part], init_value=init_value, **launch)[0])
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
-    def gemm(self, w: mx.array, qtype: QT, x16: mx.array, K: int, init_value: float | None = None) -> mx.array:
-        """x16 (M, K) float16 times the raw rows w (N, row_bytes) decoded to their f16 values, on the
-        tensor cores with float32 accumulation, the weights never written out (dequant.inc's GEMM)
-        -> (M, N) float32."""
-        launch = plan.gemm_launch(qtype, K, w.shape[0], x16.shape[0])
-        if launch is None:
-            raise ValueError(f"the raw-block GEMM does not take {qtype.name} rows of {K} values")
-        name, kw = launch
-        params = mx.array([x16.shape[0], 0, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
-        return self.kernel(name)(inputs=[w, x16.astype(mx.float16), params], init_value=init_value, **kw)[0]
-
     # ---- decode attention ----
 
     def decode_attention(self, q: mx.array, keys: mx.array, values: mx.array, params: mx.array, chunk: int,

@@ -269,24 +269,6 @@ def batch_launch(qtype: QT, K: int, N: int, B: int) -> tuple[str, dict]:
 DEQUANT_UNIT = {QT.Q4_K: 32, QT.Q5_K: 32, QT.Q6_K: 16, QT.Q8_0: 32, QT.NVFP4: 16}
 DEQUANT_THREADS = 256
 
-# The raw-block GEMM (dequant.inc's gemm_open .. gemm_close): weight rows and tokens a tile, the
-# columns decoded at a time, warps.
-GEMM_ROWS, GEMM_TOKENS, GEMM_COLUMNS, GEMM_WARPS = 64, 128, 64, 4
-
-
-@lru_cache(maxsize=None)
-def gemm_launch(qtype: QT, K: int, N: int, M: int) -> tuple[str, dict] | None:
-    """(kernel name, launch keywords) of the raw-block GEMM: x (M, K) f16 by the (N, row_bytes) raw
-    rows -> (M, N) float32; None for a type it does not decode or K not a multiple of its columns."""
-    if qtype not in QUANT_VARIANTS or K % GEMM_COLUMNS or M < 1:
-        return None
-    template = [("K", K), ("N", N), ("BN", GEMM_ROWS), ("BM", GEMM_TOKENS), ("KT", GEMM_COLUMNS),
-                ("UPK", GEMM_COLUMNS // DEQUANT_UNIT[qtype]), ("NW", GEMM_WARPS)]
-    return f"gemm_{QUANT_VARIANTS[qtype]}", dict(
-        grid=(-(-N // GEMM_ROWS) * 32 * GEMM_WARPS, -(-M // GEMM_TOKENS), 1), threadgroup=(32 * GEMM_WARPS, 1, 1),
-        output_shapes=[(M, N)], output_dtypes=[mx.float32], template=template, stream=mx.gpu)
-
-
 @lru_cache(maxsize=None)
 def dequant_launch(qtype: QT, K: int, N: int) -> tuple[str, dict]:
     """(kernel name, launch keywords) of dequant.inc: (N, row_bytes) raw rows -> (N, K) float16."""

@@ -46,8 +46,6 @@ KERNELS = {
        for v in STREAM_FORMATS},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
-    # the same decoding inside a tensor-core GEMM (a prefill chunk's products, the weights never written)
-    **{f"gemm_{v}": ("dequant", ["gemm_open", v, "gemm_close"], ["w", "x", "params"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
     "attention_partial": ("attention", ["partial_one", "partial_butterfly"], ["q", "keys", "values", "params"],
                           ["part_o", "part_ml"]),

@@ -13,9 +13,8 @@ Two regimes, by the number of token rows in the forward (B sequences x T tokens)
   float16 by dequant.inc and multiplied on the tensor cores with x rounded to f16 (f16_product,
   KernelConfig.prefill_f16 = 1, the default), or to float32 and multiplied in float32 (0: the
   exactness lane); on the f16 lane on CUDA the attention is the flash kernel
-  (prefill_attention.inc, KernelConfig.prefill_flash) and, with KernelConfig.prefill_gemm, the
-  products a raw-block GEMM that decodes the rows inside (dequant.inc, untimed); the reference's
-  MLX ops for everything else.
+  (prefill_attention.inc) or MLX's fused attention (KernelConfig.prefill_flash); the
+  reference's MLX ops for everything else.
 """
 
 from __future__ import annotations
@@ -251,10 +250,6 @@ class GpuOps(ReferenceOps):
         if key not in self._l1_max:   # once per matrix: its largest row L1 norm (f16_product's bound)
             w16 = self.weights_f16(w)
             self._l1_max[key] = mx.max(mx.sum(mx.abs(w16.astype(mx.float32)), axis=-1)).reshape(1)
-        if (config.prefill_gemm and self.backend == "cuda"
-                and kplan.gemm_launch(w.qtype, w.n_in, w.n_out, x.shape[0]) is not None):
-            x16, inverse = _scaled_f16(x, self._l1_max[key])   # the raw-block GEMM: no f16 weights written
-            return self.kernels.gemm(w.data, w.qtype, x16, w.n_in) * inverse
         return f16_product(x, self.weights_f16(w) if w16 is None else w16, self._l1_max[key])
 
     def logits(self, w: Matrix, h: mx.array) -> mx.array:

@@ -248,58 +248,6 @@ def test_prefill_lanes_against_the_oracle(fixture_files, name):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n, k, m", [(4096, 6656, 130), (1000, 19968, 512), (72, 6656, 1)])
-def test_raw_block_gemm(qtype, n, k, m):
-    """dequant.inc's GEMM against float64: x (f16) times the rows' values rounded to f16 (the f16
-    lane's weights: the bit-exact MLX-ops dequantization, rounded), within 1e-5 of the summed
-    terms; rows and tokens not multiples of the tile."""
-    rng = np.random.default_rng([SEED, n, k, m, int(qtype)])
-    w = mx.array(random_blocks(n, k, qtype, rng))
-    x16 = (rng.standard_normal((m, k)) * 4).astype(np.float16)
-    out = np.array(KERNELS.gemm(w, qtype, mx.array(x16), k, init_value=float("nan"))).astype(np.float64)
-    w16 = np.array(dequantize(w, qtype).astype(mx.float16)).astype(np.float64)
-    x64 = x16.astype(np.float64)
-    err = product_err(out, x64 @ w16.T, np.abs(x64) @ np.abs(w16).T)
-    ok = bool(np.isfinite(out).all() and err < 1e-5)
-    record("raw_block_gemm", qtype=qtype.name, n=n, k=k, m=m, err_over_terms=err, **{"pass": ok})
-    assert ok, err
-
-
-def test_prefill_gemm_lane_against_the_oracle(fixture_files):
-    """The f16 lane with the raw-block GEMM (prefill_gemm = 1) on the Q8_0 fixture, 103 positions'
-    log-probs against the float64 oracle: within llama.cpp's F16-lane distance, top-1 the oracle's
-    but at near-ties (the rule of test_prefill_lanes_against_the_oracle's well-conditioned case)."""
-    tokens = np.random.default_rng([SEED, 13]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103)
-    oracle = log_softmax(ReferenceModel(fixture_files["Q8_0"]).logits(tokens))
-    with mx.stream(mx.gpu):
-        model = load(fixture_files["Q8_0"], "gpu", KernelConfig(prefill_gemm=1))
-        ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
-    d = np.abs(log_softmax(ours.astype(np.float64)) - oracle).max(axis=-1)
-    flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]
-    gaps = oracle[flips, oracle.argmax(-1)[flips]] - oracle[flips, ours.argmax(-1)[flips]]
-    ok = bool(np.isfinite(ours).all() and d.max() < LLAMA_F16_LANE_FROM_ORACLE
-              and (gaps < LLAMA_F16_LANE_FROM_ORACLE).all())
-    record("prefill_gemm_lane_vs_oracle", fixture="Q8_0", max=float(d.max()), median=float(np.median(d)),
-           top1_flips=int(len(flips)), **{"pass": ok})
-    assert ok, (float(d.max()), len(flips))
-
-
-def test_prefill_layers_in_flight_same_bits(fixture_files):
-    """A long chunk with two layers in flight (the default) against each layer waited for: the same
-    logits bit for bit on the GPU, on the random Q4_K_M fixture (the same graph, submitted sooner)."""
-    tokens = mx.array(np.random.default_rng([SEED, 14]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103))
-    out = {}
-    with mx.stream(mx.gpu):
-        for n in (1, 2):
-            model = load(fixture_files["Q4_K_M-random"], "gpu", KernelConfig(prefill_layers_in_flight=n))
-            out[n] = np.array(model.prefill(tokens, model.make_cache(len(tokens)), all_logits=True))
-            del model
-    ok = bool(np.isfinite(out[2]).all() and np.array_equal(out[1], out[2]))
-    record("prefill_layers_in_flight_same_bits", fixture="Q4_K_M-random", **{"pass": ok})
-    assert ok, float(np.abs(out[1] - out[2]).max())
-
-
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_dequantize_to_f16(qtype, shape):
     """dequant.inc at the pinned shapes: every value the bit-exact MLX-ops dequantization gives
