@@ -50,14 +50,14 @@ class KernelConfig:
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
         multiplied in float32, the exactness lane for parity runs.
-    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 1 = the flash kernel
-        (prefill_attention.inc: online softmax on the tensor cores, q and the weights rounded to
-        f16, no score matrix); 0 = MLX ops in float32 with the scores in memory (the exactness
-        lane's attention, which prefill_f16 = 0 always takes); 2 = MLX's fused attention
-        (ops/gpu.fused_attention, cuDNN's on CUDA, f16 out) where the keys are in position order
-        and no window cuts (mask="causal"), the flash kernel elsewhere; 3 = the fused attention
-        everywhere, with an additive mask where 2 takes the kernel. Head dims over 128 keep the
-        kernel. 2 and 3 are untimed in the model (ledger, 2026-12-03).
+    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 2 = MLX's fused attention
+        (ops/gpu.fused_attention, cuDNN's flash attention on CUDA, f16 in and out; mask="causal"
+        where the keys are in position order, else an additive mask from the positions), head dims
+        over 128 taking the flash kernel; 1 = the flash kernel everywhere (prefill_attention.inc:
+        online softmax on the tensor cores, q and the weights rounded to f16, no score matrix);
+        0 = MLX ops in float32 with the scores in memory (the exactness lane's attention, which
+        prefill_f16 = 0 always takes). 2 prefilled 2,048 tokens on 32,768 at 4,818 tok/s against
+        1's 3,142 on the H200 (ledger, 2026-12-03, 2e86100).
     prefill_layers_in_flight: a long chunk's layers the GPU may hold queued at once (each with its
         dequantized weights): 1 = each layer evaluated before the next is built; 2 = the next is
         built on the host while the GPU runs the one before (at most two layers' f16 weights, ~2.1
@@ -79,7 +79,7 @@ class KernelConfig:
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
     prefill_f16: int = 1
-    prefill_flash: int = 1
+    prefill_flash: int = 2
     prefill_layers_in_flight: int = 2
     pinned_upload: int = 1
 
@@ -88,7 +88,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
-                  "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_layers_in_flight": (1, 2),
+                  "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)

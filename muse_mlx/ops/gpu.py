@@ -301,16 +301,16 @@ class GpuOps(ReferenceOps):
         return super().kv_step(g, caches, T)
 
     def flash_prefill(self, g: Geometry) -> bool:
-        """Whether a long chunk's attention takes the flash kernel: the f16 lane with prefill_flash on
-        CUDA (on Metal its tensor-core products are a stand-in, correct but slow) and a geometry
-        the kernel's plan takes."""
+        """Whether a long chunk's attention takes _flash_rows (MLX's fused attention or the flash
+        kernel): the f16 lane with prefill_flash on CUDA (on Metal the kernel's tensor-core products
+        are a stand-in, correct but slow, and the fused attention is unmeasured) and a geometry the
+        kernel's plan takes."""
         config, device = self.kernels.config, self.kernels.device
         return bool(config.prefill_f16 and config.prefill_flash and device.backend == "cuda"
                     and kplan.prefill_attention_launch(1, g.n_head, g.n_head_kv, g.head_dim, device) is not None)
 
     def _flash_rows(self, q, keys, values, q_pos, k_pos, window):
-        mode = self.kernels.config.prefill_flash
-        if q.shape[-1] <= 128 and (mode == 3 or (mode == 2 and causal_in_order(q_pos, k_pos, window))):
+        if self.kernels.config.prefill_flash == 2 and q.shape[-1] <= 128:   # cuDNN's limit
             return fused_attention(q, keys, values, q_pos, k_pos, window)
         return self.kernels.prefill_attention(q, keys, values, mx.array(q_pos.astype(np.int32)),
                                               mx.array(k_pos.astype(np.int32)), window)
