@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
 
 def timed(fn, reps: int = 5) -> dict:
-    mx.eval(fn())
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        samples.append((time.perf_counter() - t) * 1e3)
+    from muse_mlx.tools.bench import eval_ms
+
+    samples = eval_ms(fn, reps, 1)
     return {"median_ms": statistics.median(samples), "samples_ms": samples}
 
 

@@ -529,39 +529,19 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     assert ok, (worst, bitwise)
 
 
+@pytest.mark.parametrize("how", ["kernel", "fused"])
 @pytest.mark.parametrize("L, held, window", [(512, 0, 0), (512, 2048, 2048), (700, 1024, 1024), (64, 32768, 0),
                                              (1, 5000, 0), (37, 300, 0)])
-def test_prefill_attention(L, held, window):
-    """The flash prefill attention at the pinned heads (32 / 2, head dim 128) against float64: a
-    chunk at depth 0, on a full ring (rotated) and longer than the ring, on a 32,768-row plane, one
-    query, a short odd chunk. q and the weights are rounded to f16 by the kernel: the allowance
-    is 3e-3 of each row's norm (f16's 2^-11 = 4.9e-4 a rounding, summed over the products)."""
-    rng = np.random.default_rng([SEED, L, held, window])
-    n_head, n_kv, hd = 32, 2, 128
-    held_pos = np.roll(np.arange(max(0, held - window), held), 17) if window else np.arange(held)
-    k_pos = np.concatenate([held_pos, np.arange(held, held + L)]).astype(np.int32)
-    q_pos = np.arange(held, held + L, dtype=np.int32)
-    q = (rng.standard_normal((L, n_head, hd)) * 2).astype(np.float32)
-    keys = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
-    values = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
-    out = np.array(KERNELS.prefill_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(q_pos),
-                                             mx.array(k_pos), window, init_value=float("nan")))
-    ref = prefill_attention_ref(q, keys, values, q_pos, k_pos, window)
-    err = float((np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max())
-    ok = bool(np.isfinite(out).all() and err < 3e-3)
-    record("prefill_attention", L=L, held=held, window=window, rel_err=err, **{"pass": ok})
-    assert ok, err
-
-
-@pytest.mark.parametrize("L, held, window", [(512, 0, 0), (512, 2048, 2048), (700, 1024, 1024), (64, 32768, 0),
-                                             (1, 5000, 0), (37, 300, 0)])
-def test_fused_attention(L, held, window):
-    """ops/gpu.fused_attention (MLX's fused attention: cuDNN's on CUDA) at the pinned heads against
-    float64, on test_prefill_attention's cases (mask="causal" where the keys are in order, the
-    positions' mask on a rotated ring or where the window cuts): within 3e-3 of each row's norm."""
+def test_prefill_attention(L, held, window, how):
+    """A chunk's attention at the pinned heads (32 / 2, head dim 128) against float64, by the flash
+    kernel (`kernel`) or ops/gpu.fused_attention (`fused`: MLX's, cuDNN's on CUDA; mask="causal"
+    where the keys are in order, the positions' mask on a rotated ring or where the window cuts):
+    a chunk at depth 0, on a full ring (rotated) and longer than the ring, on a 32,768-row plane,
+    one query, a short odd chunk. q and the weights are rounded to f16: the allowance is 3e-3 of
+    each row's norm (f16's 2^-11 = 4.9e-4 a rounding, summed over the products)."""
     from muse_mlx.ops.gpu import fused_attention
 
-    rng = np.random.default_rng([SEED, L, held, window, 3])
+    rng = np.random.default_rng([SEED, L, held, window, *([3] if how == "fused" else [])])
     n_head, n_kv, hd = 32, 2, 128
     held_pos = np.roll(np.arange(max(0, held - window), held), 17) if window else np.arange(held)
     k_pos = np.concatenate([held_pos, np.arange(held, held + L)]).astype(np.int32)
@@ -570,11 +550,17 @@ def test_fused_attention(L, held, window):
     keys = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
     values = rng.standard_normal((n_kv, len(k_pos), hd)).astype(np.float16)
     with mx.stream(mx.gpu):
-        out = np.array(fused_attention(mx.array(q), mx.array(keys), mx.array(values), q_pos, k_pos, window or None))
+        if how == "kernel":
+            out = KERNELS.prefill_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(q_pos),
+                                            mx.array(k_pos), window, init_value=float("nan"))
+        else:
+            out = fused_attention(mx.array(q), mx.array(keys), mx.array(values), q_pos, k_pos, window or None)
+        out = np.array(out)
     ref = prefill_attention_ref(q, keys, values, q_pos, k_pos, window)
     err = float((np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).max())
     ok = bool(np.isfinite(out).all() and err < 3e-3)
-    record("fused_attention", L=L, held=held, window=window, rel_err=err, **{"pass": ok})
+    record("prefill_attention" if how == "kernel" else "fused_attention", L=L, held=held, window=window, rel_err=err,
+           **{"pass": ok})
     assert ok, err
 
 
