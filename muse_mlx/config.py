@@ -57,7 +57,8 @@ class KernelConfig:
         online softmax on the tensor cores, q and the weights rounded to f16, no score matrix);
         0 = MLX ops in float32 with the scores in memory (the exactness lane's attention, which
         prefill_f16 = 0 always takes). 2 prefilled 2,048 tokens on 32,768 at 4,818 tok/s against
-        1's 3,142 on the H200 (ledger, 2026-12-03, 2e86100).
+        1's 3,142 on the H200 with shapes repeated from a warm-up (ledger, 2026-12-03, 2e86100);
+        cuDNN builds a plan for each new (queries, keys) shape, untimed, so 1 stays the default.
     prefill_layers_in_flight: a long chunk's layers the GPU may hold queued at once (each with its
         dequantized weights): 1 = each layer evaluated before the next is built; 2 = the next is
         built on the host while the GPU runs the one before (at most two layers' f16 weights, ~2.1
@@ -79,7 +80,7 @@ class KernelConfig:
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
     prefill_f16: int = 1
-    prefill_flash: int = 2
+    prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
     pinned_upload: int = 1
 

@@ -229,7 +229,7 @@ def test_prefill_lanes_against_the_oracle(fixture_files, name):
         fields[f"lane{lane}_max"] = float(d.max())
         fields[f"lane{lane}_median"] = float(np.median(d))
         fields[f"lane{lane}_top1_flips_near_ties"] = lanes[lane][1]
-    # the f16 lane with the float32 attention (prefill_flash = 0): recorded, for the fused attention's share
+    # the f16 lane with the float32 attention (prefill_flash = 0): recorded, for the attention's share
     with mx.stream(mx.gpu):
         model = load(fixture_files[name], "gpu", KernelConfig(prefill_f16=1, prefill_flash=0))
         noflash = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
