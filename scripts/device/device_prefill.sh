@@ -10,6 +10,10 @@
 #           "inflight1": with prefill_layers_in_flight = 1; "fused": prefill_flash = 2, MLX's fused attention),
 #           then llama-bench -p 512,2048 -d 0,32768 when built
 #           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
+#   unseen  on each of LANES, shapes no earlier chunk had (no warm-up, one rep, a fresh process
+#           each): prompts of 700, 1,300, 1,900, 2,600 and 3,300 tokens, then one of 131,072
+#           ($OUT/unseen-LANE.json, unseen-131072-LANE.json): what cuDNN's plan a new shape costs
+#           the fused attention (ledger, 2026-12-03); after `prefill`, so the kernels are compiled
 #   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
 #           warm, MLX's kernel disk cache in a fresh folder: once to fill it (our kernel cache
 #           and MLX's own JIT kernels), then twice each, interleaved, with the weights through the
@@ -57,6 +61,16 @@ if [[ " $PARTS " == *" prefill "* ]]; then
         --receipt "$OUT/bench-compare-$lane.json"
     done
   fi
+fi
+if [[ " $PARTS " == *" unseen "* ]]; then
+  need_gguf
+  for lane in ${LANES:-f16 fused}; do
+    cfg=""; [ $lane = fused ] && cfg="prefill_flash=2"
+    timeout 120 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 700,1300,1900,2600,3300 \
+      --reps 1 --warmup 0 --no-matvecs ${cfg:+--kernel-config "$cfg"} --receipt "$OUT/unseen-$lane.json" 2>&1 | grep prefill
+    timeout 200 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 131072 \
+      --reps 1 --warmup 0 --no-matvecs ${cfg:+--kernel-config "$cfg"} --receipt "$OUT/unseen-131072-$lane.json" 2>&1 | grep prefill
+  done
 fi
 if [[ " $PARTS " == *" cold "* ]]; then
   need_gguf
