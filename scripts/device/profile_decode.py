@@ -5,6 +5,11 @@ warms the step up, then brackets exactly one synced token with cuProfilerStart /
 (the CUDA driver API, through ctypes), so ncu sees that token's kernels and no others.
 The KV cache is filled to --depth with random f16 rows (synthetic content).
 
+--batch 1,2,3,4 profiles, per variant, one packed step for each count B of sequences in turn (the
+server's step over B slots: one forward over B tokens, each sequence with its own cache), each
+range after --warm steps of that B outside it; fold them with `ncu_summary.py --parts
+b1,b2,... --ends _202048_` (the LM head, a token's last kernel).
+
 --variants "tag:name=value,name=value;tag2:..." profiles one token per kernel configuration in
 turn (the bench's --kernel-config syntax, muse_mlx.config.KernelConfig.parse; "tag:" alone is
 the defaults), each in a profiled range of its own after --warm tokens outside it. A kernel
@@ -28,6 +33,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--depth", type=int, default=512)
     p.add_argument("--warm", type=int, default=4, help="tokens decoded before each profiled one")
+    p.add_argument("--batch", default="1", help="sequences per step, comma-separated: one profiled step each")
     p.add_argument("--variants", default="", help="\"tag:name=value,...;tag2:...\" (see above); default: one "
                                                   "unnamed token with the default kernel configuration")
     args = p.parse_args()
@@ -36,30 +42,41 @@ def main() -> int:
     from muse_mlx.ops import select_ops
 
     variants = parse_variants(args.variants)
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--batch: expected comma-separated counts, got {args.batch!r}") from None
+    if not batches or any(b < 1 for b in batches):
+        raise SystemExit(f"--batch: expected counts >= 1, got {args.batch!r}")
     artifact = open_artifact(args.model)
     cuda = ctypes.CDLL("libcuda.so.1")
     for tag, config in variants:
         model = Model(artifact, select_ops("gpu", config))
-        cache = model.make_cache(args.depth + args.warm + 2)
-        cache.fill_random(args.depth)
-        token = mx.array(1)
+        for batch in batches:
+            caches = [model.make_cache(args.depth + args.warm + 2) for _ in range(batch)]
+            for cache in caches:
+                cache.fill_random(args.depth)
+            token = mx.zeros((batch, 1), dtype=mx.int32)
 
-        def step(token):
-            token = mx.argmax(model.step(token, cache))
-            mx.eval(token)
-            return token
+            def step(token):
+                token = mx.argmax(model(token, caches)[:, -1], axis=-1).astype(mx.int32).reshape(batch, 1)
+                mx.eval(token)
+                return token
 
-        for _ in range(args.warm):
+            for _ in range(args.warm):
+                token = step(token)
+            mx.synchronize()
+            cuda.cuProfilerStart()
+            t = time.perf_counter()
             token = step(token)
-        mx.synchronize()
-        cuda.cuProfilerStart()
-        t = time.perf_counter()
-        token = step(token)
-        mx.synchronize()
-        cuda.cuProfilerStop()
-        print(f"profiled one token{' of ' + tag if tag else ''} ({config}) at depth {args.depth + args.warm}: "
-              f"{1e3 * (time.perf_counter() - t):.1f} ms under ncu", flush=True)
-        del model, cache, step, token
+            mx.synchronize()
+            cuda.cuProfilerStop()
+            print(f"profiled one step over {batch} sequence(s){' of ' + tag if tag else ''} ({config}) at depth "
+                  f"{args.depth + args.warm}: {1e3 * (time.perf_counter() - t):.1f} ms under ncu", flush=True)
+            del caches, step, token
+            gc.collect()
+            mx.clear_cache()
+        del model
         gc.collect()
         mx.clear_cache()
     return 0

@@ -27,11 +27,12 @@ smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio}
 # NCU_ARGS: more ncu options, e.g. "--cache-control none" (by default ncu flushes the caches
 # before each kernel, which overstates small kernels that normally find their inputs in L2).
 timeout "${NCU_TIMEOUT:-200}" "$NCU" --profile-from-start off --clock-control none ${NCU_ARGS:-} --target-processes all -k "regex:${KERNELS:-muse}" --metrics "$METRICS" \
-  --csv --page raw python3 scripts/device/profile_decode.py --model "$MODEL" --depth "$DEPTH" ${VARIANTS:+--variants "$VARIANTS"} \
+  --csv --page raw python3 scripts/device/profile_decode.py --model "$MODEL" --depth "$DEPTH" ${VARIANTS:+--variants "$VARIANTS"} ${BATCH:+--batch "$BATCH"} \
   > "$OUTDIR/ncu-token${TAG:-}.csv" 2> "$OUTDIR/ncu-token${TAG:-}.err"
 echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token${TAG:-}.err"
 # VARIANTS="tag:name=value,...;tag2:..." (kernel configurations, profile_decode.py --variants): one token
-# per variant, folded apart.
+# per variant, folded apart. BATCH=1,2,3,4: one packed step per count of sequences (profile_decode.py
+# --batch), folded apart by `ncu_summary.py LISTING --parts b1,b2,b3,b4 --ends _202048_` (not here).
 PARTS=$(python3 -c 'import sys; print(",".join(v.split(":")[0] for v in sys.argv[1].split(";") if v))' "${VARIANTS:-}")
 python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" ${PARTS:+--parts "$PARTS"} | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
 # Full sections for the first kernels of the token matching each regex (name:count).
