@@ -7,6 +7,7 @@ NVRTC flags, printing registers-free diagnostics. Needs:
   MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*)
   MUSE_NVRTC_CUBIN_DIR  also write each CUBIN (for nvdisasm) and its PTX there
   MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel
+  MUSE_NVRTC_ONLY  a regular expression: only the cases whose kernel name it finds
   MUSE_NVRTC_MLX_INCLUDE  a folder holding mlx/backend/cuda/device/{utils.cuh,complex.cuh,config.h}
   CUDA include folders (default /usr/local/cuda/include and /usr/local/cuda/include/cccl)
 Or, without NVRTC, with CUDA's compiler driver (its ptxas; registers and spills always printed):
@@ -49,14 +50,16 @@ CASES = [
        [("K", 19968), ("N", 6656), ("B", b), ("XS", 39936), ("TPG", 320), ("R", 8), ("RF", 2), ("RB", 78 * rb),
         ("UP_OFF", 19968)])
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
-    *[(f"matvec_mma_{v}", ["uint8", "float32"], ["float32"],
+    *[(f"matvec_mma{pf}_{v}", ["uint8", "float32"], ["float32"],
        [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210))
-      for k, nw, kw, kp in ((4096, 16, 16, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 19, 1, 1), (19968, 13, 13, 2))
+      for pf in ("", "_pf") for v, rb in (("q4_k", 144), ("q6_k", 210))
+      for k, nw, kw, kp in ((4096, 16, 16, 1), (4096, 20, 5, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 20, 4, 1),
+                            (6656, 19, 1, 1), (19968, 13, 13, 2))
       for b in (2, 4)],
-    *[(f"matvec_mma_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
+    *[(f"matvec_mma{pf}_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
        [("K", 19968), ("N", 6656), ("B", 4), ("XS", 39936), ("NW", nw), ("KW", kw), ("KP", 2), ("RB", 78 * rb),
-        ("UP_OFF", 19968)]) for v, rb in (("q4_k", 144), ("q6_k", 210)) for nw, kw in ((13, 13), (18, 3), (7, 1))],
+        ("UP_OFF", 19968)]) for pf in ("", "_pf") for v, rb in (("q4_k", 144), ("q6_k", 210))
+      for nw, kw in ((13, 13), (18, 3), (7, 1), (21, 3), (14, 2))],
     *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])
       for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],
@@ -113,14 +116,17 @@ def main() -> int:
     lib = None if os.environ.get("MUSE_NVCC") else ctypes.CDLL(os.environ["MUSE_NVRTC_LIB"])
     includes = [os.environ["MUSE_NVRTC_MLX_INCLUDE"], "/usr/local/cuda/include/cccl", "/usr/local/cuda/include"]
     failures = 0
-    uncovered = sorted(set(KERNELS) - {case[0] for case in CASES})
+    uncovered = sorted(set(KERNELS) - {case[0] for case in CASES}) if not os.environ.get("MUSE_NVRTC_ONLY") else []
     for kname in uncovered:
         print(f"{kname:20s} no case in CASES: FAILED")
     failures += len(uncovered)
     from muse_mlx.kernels.upload import copy_source
 
     upload = ("upload", ["uint64"], ["uint8"], [])   # kernels/upload.py's copy (CUDA only, not in KERNELS)
+    only = re.compile(os.environ.get("MUSE_NVRTC_ONLY", ""))
     for kname, in_types, out_types, template in CASES + [upload]:
+        if not only.search(kname):
+            continue
         if kname == "upload":
             header, source, inputs, outputs = "", copy_source(), ["meta"], ["out"]
         else:
