@@ -8,7 +8,8 @@
 #   2. the packed step alone over the same slot counts (--batch, depth 0), as the earlier rounds;
 #   3. llama-batched-bench -npp SCHED_PROMPT -ntg SCHED_TOKENS -npl SLOTS -fa on, the issue's
 #      anchor ($OUT/llama-batched-bench.jsonl / .err).
-# Carry .device/revision.
+# KERNEL_CONFIG: the engine's kernel configuration for 1 and 2 (bench_serving --kernel-config; default
+# the defaults). Carry .device/revision.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ~/.muse-device/env.sh || exit 1
@@ -17,7 +18,7 @@ SLOTS=${SLOTS:-1,2,3,4} P=${SCHED_PROMPT:-512} N=${SCHED_TOKENS:-128}
 G=/tmp/bench.gguf
 [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
 timeout ${SCHED_TIMEOUT:-300} python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm '' \
-  --batch "$SLOTS" --depth 0 --scheduler "$SLOTS" --sched-prompt $P --sched-tokens $N \
+  --batch "$SLOTS" --depth 0 --scheduler "$SLOTS" --sched-prompt $P --sched-tokens $N --kernel-config "${KERNEL_CONFIG:-}" \
   --receipt "$OUT/sched.json" 2>&1 | tee "$OUT/sched.log"
 for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
 echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"
