@@ -91,18 +91,6 @@ inline uint2 k4_scale_min_bits(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
   return r;
 }
 
-// k4_scale_min_bits without branches (selects): for a group g not known when compiled, so that
-// the loads around it need not wait on a branch (the tensor-core form's units in groups).
-inline uint2 k4_scale_min_bits_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
-  const uint32_t k = 8u * uint32_t(g & 3);
-  const uint32_t a = s0 >> k, b = s1 >> k, c = s2 >> k;
-  const uint32_t low = 0u - uint32_t(g < 4);   // all ones for groups 0..3 (a mask, not a branch)
-  uint2 r;
-  r.x = ((a & 63u) & low) | (((c & 15u) | ((a >> 6 & 3u) << 4)) & ~low);
-  r.y = ((b & 63u) & low) | (((c >> 4 & 15u) | ((b >> 6 & 3u) << 4)) & ~low);
-  return r;
-}
-
 // k4_scale_min_words without branches (a select), for lanes of one simdgroup that hold
 // different groups g.
 inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {

@@ -46,10 +46,6 @@ class KernelConfig:
         matrix. 16,384: Q|K|gate (8,704 rows), o_proj and FFN down (6,656) on x_shared, gate|up
         (39,936) and the LM head on the tensor cores; the packed step at B = 2 144.7 against
         132.6 tok/s with 0 (H200, bc94ad1).
-    mma_prefetch: 1 = the tensor-core form takes each warp's units in groups (4 Q4_K, 2 Q6_K) with
-        no branch between their loads, so that a group's loads are in flight together; 0 = one
-        unit at a time behind an exit test (the form measured at c63e03a: gate|up at B = 4 80 us
-        against one row's 62, FFN down 110 against 42, ncu; DRAM far under its peak).
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -83,7 +79,6 @@ class KernelConfig:
     mma_warps: int = 0
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
-    mma_prefetch: int = 0
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
@@ -93,7 +88,7 @@ class KernelConfig:
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
-                  "mma_pair_min_rows": (0, 1 << 24), "mma_prefetch": (0, 1),
+                  "mma_pair_min_rows": (0, 1 << 24),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():

@@ -50,15 +50,15 @@ CASES = [
        [("K", 19968), ("N", 6656), ("B", b), ("XS", 39936), ("TPG", 320), ("R", 8), ("RF", 2), ("RB", 78 * rb),
         ("UP_OFF", 19968)])
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
-    *[(f"matvec_mma{pf}_{v}", ["uint8", "float32"], ["float32"],
+    *[(f"matvec_mma_{v}", ["uint8", "float32"], ["float32"],
        [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb)])
-      for pf in ("", "_pf") for v, rb in (("q4_k", 144), ("q6_k", 210))
+      for v, rb in (("q4_k", 144), ("q6_k", 210))
       for k, nw, kw, kp in ((4096, 16, 16, 1), (4096, 20, 5, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 20, 4, 1),
                             (6656, 19, 1, 1), (19968, 13, 13, 2))
       for b in (2, 4)],
-    *[(f"matvec_mma{pf}_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
+    *[(f"matvec_mma_silu_{v}", ["uint8", "float32", "float32"], ["float32"],
        [("K", 19968), ("N", 6656), ("B", 4), ("XS", 39936), ("NW", nw), ("KW", kw), ("KP", 2), ("RB", 78 * rb),
-        ("UP_OFF", 19968)]) for pf in ("", "_pf") for v, rb in (("q4_k", 144), ("q6_k", 210))
+        ("UP_OFF", 19968)]) for v, rb in (("q4_k", 144), ("q6_k", 210))
       for nw, kw in ((13, 13), (18, 3), (7, 1), (21, 3), (14, 2))],
     *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])

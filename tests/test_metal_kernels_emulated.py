@@ -158,25 +158,6 @@ def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
         check_mma_against_float64(big, qtype, n, k, b)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("tile_warps, warps, b, n, k", [(1, 3, 3, 103, 512), (3, 6, 2, 100, 1280), (2, 6, 4, 37, 768)])
-def test_tensor_core_prefetch_bitwise(qtype, tile_warps, warps, b, n, k):
-    """mma_prefetch = 1 (units in groups, loads unconditional; a unit past a warp's range re-read
-    with its scales times 0) equals the one-unit-at-a-time form bit for bit: warps whose ranges
-    end inside a group (3 warps over 8 or 20 units, 2 over 12), tiles past the matrix."""
-    from muse_mlx.kernels import Device, Kernels
-    from metal_emulator import EmulatedKernel
-    rng = np.random.default_rng([n, k, int(qtype), b, 25])
-    w, x = mx.array(random_blocks(n, k, qtype, rng)), mx.array(rng.standard_normal((b, k)).astype(np.float32))
-    outs = []
-    for pf in (0, 1):
-        config = KernelConfig(stream_groups=2, mma_warps=warps, mma_tile_warps=tile_warps, mma_prefetch=pf)
-        kernels = Kernels(Device("metal", 4, 1 << 20), config, build=lambda name, which, shared: EmulatedKernel(name))
-        assert plan.mma_plan(qtype, k, n, b, kernels.device, kernels.config).tile_warps == tile_warps
-        outs.append(np.array(kernels.matvec_mma(w, qtype, [x], init_value=NAN)))
-    assert np.isfinite(outs[1]).all() and np.array_equal(outs[0], outs[1])
-
-
 def test_tensor_core_matvec_carries_non_finite_x():
     """An infinite or NaN x gives non-finite products (the engine refuses non-finite logits),
     not finite garbage from the f16 scaling."""

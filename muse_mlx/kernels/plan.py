@@ -248,8 +248,7 @@ def mma_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Devi
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     template += [("UP_OFF", up_offset)] if act else []
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    pf = "_pf" if config.mma_prefetch else ""
-    return f"matvec_mma{pf}{act}_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
+    return f"matvec_mma{act}_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 

@@ -40,12 +40,10 @@ KERNELS = {
        for v in STREAM_FORMATS},
     # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
     # mma.m16n8k16, x's fragments in threadgroup memory; _silu as above
-    # (_pf: the units' loads in groups with no branch between them, KernelConfig.mma_prefetch)
-    **{f"matvec_mma{pf}{act}_{v}": ("matvec_stream", [xs, f"mma_{v}", "mma_prologue", f"mma_units{pf}",
-                                                      f"mma_{v}_unit", f"mma_units{pf}_end", "mma_close"],
-                                    ["w", *inputs], ["y"])
+    **{f"matvec_mma{act}_{v}": ("matvec_stream", [xs, f"mma_{v}", "mma_prologue", f"mma_{v}_unit", "mma_close"],
+                                ["w", *inputs], ["y"])
        for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
-       for pf in ("", "_pf") for v in STREAM_FORMATS},
+       for v in STREAM_FORMATS},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)

@@ -349,34 +349,6 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(39936, 6656), (6656, 19968), (8704, 6656), (6656, 4096), (37, 768)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("batch", [2, 4])
-def test_tensor_core_prefetch_equals_one_unit_at_a_time(qtype, shape, batch):
-    """KernelConfig.mma_prefetch: the units in groups with their loads unconditional (a unit past
-    a warp's range re-read with its scales times 0) gives the one-unit-at-a-time form's products
-    bit for bit on the plans of the model's shapes (FFN down's in two parts of K), and stays within
-    the float32 checks' bound of float64."""
-    n, k = shape
-    rng = np.random.default_rng([SEED, n, k, int(qtype), batch, 31])
-    w = mx.array(random_blocks(n, k, qtype, rng))
-    x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
-    outs = [np.array(Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_prefetch=pf)).matvec_mma(
-        w, qtype, [x], init_value=float("nan"))) for pf in (0, 1)]
-    same = bool(np.array_equal(outs[0], outs[1]))
-    err = None
-    if n * k <= 8704 * 6656:   # the float64 product of the largest matrices is left to the bitwise check
-        dense = np.array(dequantize(w, qtype)).astype(np.float64)
-        x64 = np.array(x).astype(np.float64)
-        err = max(product_err(outs[1][r].astype(np.float64), x64[r] @ dense.T, np.abs(x64[r]) @ np.abs(dense).T)
-                  for r in range(batch))
-    ok = same and bool(np.isfinite(outs[1]).all()) and (err is None or err < 1e-5)
-    record("mma_prefetch", qtype=qtype.name, n=n, k=k, rows=batch, bitwise_equal=same, err_over_terms=err,
-           **{"pass": ok})
-    assert ok, (same, err)
-
-
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
     """The tensor-core form with rows of x 1e-6 to 1e6 in size (each row scaled to f16's range
