@@ -50,7 +50,11 @@ class KernelConfig:
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
         multiplied in float32, the exactness lane for parity runs.
-    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 2 = MLX's fused attention
+    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 3 = MLX's fused attention
+        where the chunk's visibility is plain causal (ops/gpu.causal_in_order: the full layers, and
+        the sliding ones until their window cuts), the flash kernel elsewhere (a rotated ring, a
+        window that cuts: the cases whose additive mask cost cuDNN a plan build of ~0.7-1.2 s per
+        new shape, c63e03a); 2 = MLX's fused attention
         (ops/gpu.fused_attention, cuDNN's flash attention on CUDA, f16 in and out; mask="causal"
         where the keys are in position order, else an additive mask from the positions), head dims
         over 128 taking the flash kernel; 1 = the flash kernel everywhere (prefill_attention.inc:
@@ -58,7 +62,9 @@ class KernelConfig:
         0 = MLX ops in float32 with the scores in memory (the exactness lane's attention, which
         prefill_f16 = 0 always takes). 2 prefilled 2,048 tokens on 32,768 at 4,818 tok/s against
         1's 3,142 on the H200 with shapes repeated from a warm-up (ledger, 2026-12-03, 2e86100);
-        cuDNN builds a plan for each new (queries, keys) shape, untimed, so 1 stays the default.
+        on shapes not seen before, 2 built a plan for each new masked shape in ~0.7-1.2 s (a
+        2,600-token prompt 1.86 s against 1's 0.65) but took a 131,072-token prompt in 41.4 s against
+        1's 54.7 (c63e03a), so 1 stays the default; 3 is to be timed.
     prefill_layers_in_flight: a long chunk's layers the GPU may hold queued at once (each with its
         dequantized weights): 1 = each layer evaluated before the next is built; 2 = the next is
         built on the host while the GPU runs the one before (at most two layers' f16 weights, ~2.1
@@ -89,7 +95,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
-                  "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
+                  "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)

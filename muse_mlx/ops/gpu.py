@@ -310,7 +310,8 @@ class GpuOps(ReferenceOps):
                     and kplan.prefill_attention_launch(1, g.n_head, g.n_head_kv, g.head_dim, device) is not None)
 
     def _flash_rows(self, q, keys, values, q_pos, k_pos, window):
-        if self.kernels.config.prefill_flash == 2 and q.shape[-1] <= 128:   # cuDNN's limit
+        how = self.kernels.config.prefill_flash
+        if q.shape[-1] <= 128 and (how == 2 or how == 3 and causal_in_order(q_pos, k_pos, window)):   # cuDNN's limit
             return fused_attention(q, keys, values, q_pos, k_pos, window)
         return self.kernels.prefill_attention(q, keys, values, mx.array(q_pos.astype(np.int32)),
                                               mx.array(k_pos.astype(np.int32)), window)

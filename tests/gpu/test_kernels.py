@@ -565,21 +565,25 @@ def test_prefill_attention(L, held, window, how):
 
 
 @pytest.mark.parametrize("name", ["F32", "Q8_0"])
-def test_prefill_fused_attention_lane_against_the_oracle(fixture_files, name):
-    """The f16 lane with MLX's fused attention in every layer (prefill_flash = 2), 103 positions'
-    log-probs against the float64 oracle: the rule of test_prefill_lanes_against_the_oracle's
-    well-conditioned fixtures (within llama.cpp's F16-lane distance, top-1 but at near-ties)."""
+@pytest.mark.parametrize("flash", [2, 3], ids=["everywhere", "where-causal"])
+def test_prefill_fused_attention_lane_against_the_oracle(fixture_files, name, flash):
+    """The f16 lane with MLX's fused attention in every layer (prefill_flash = 2) or where the
+    visibility is plain causal (3: the full layers here; the sliding ones, whose window cuts 103
+    tokens, on the flash kernel), 103 positions' log-probs against the float64 oracle: the rule of
+    test_prefill_lanes_against_the_oracle's well-conditioned fixtures (within llama.cpp's F16-lane
+    distance, top-1 but at near-ties)."""
     tokens = np.random.default_rng([SEED, 13]).integers(0, DEFAULT_GEOMETRY.n_vocab, 103)
     oracle = log_softmax(ReferenceModel(fixture_files[name]).logits(tokens))
     with mx.stream(mx.gpu):
-        model = load(fixture_files[name], "gpu", KernelConfig(prefill_flash=2))
+        model = load(fixture_files[name], "gpu", KernelConfig(prefill_flash=flash))
         ours = np.array(model.prefill(mx.array(tokens), model.make_cache(len(tokens)), all_logits=True))
     d = np.abs(log_softmax(ours.astype(np.float64)) - oracle).max(axis=-1)
     flips = np.nonzero(ours.argmax(-1) != oracle.argmax(-1))[0]
     gaps = oracle[flips, oracle.argmax(-1)[flips]] - oracle[flips, ours.argmax(-1)[flips]]
     ok = bool(np.isfinite(ours).all() and d.max() < LLAMA_F16_LANE_FROM_ORACLE
               and (gaps < LLAMA_F16_LANE_FROM_ORACLE).all())
-    record("prefill_fused_lane_vs_oracle", fixture=name, max=float(d.max()), median=float(np.median(d)),
+    record("prefill_fused_lane_vs_oracle", fixture=name, prefill_flash=flash, max=float(d.max()),
+           median=float(np.median(d)),
            top1_flips=int(len(flips)), **{"pass": ok})
     assert ok, (float(d.max()), len(flips))
 
