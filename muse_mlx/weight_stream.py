@@ -127,6 +127,33 @@ def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.a
     return out
 
 
+def upload_raw(raws: list[RawTensor], upload) -> list[mx.array]:
+    """load_raw through `upload` (a kernels.upload.PinnedUpload: the page-locked staging, CUDA): each
+    tensor in row ranges of at most the staging's half, put together on the device, evaluated."""
+    from .kernels.upload import Piece
+
+    out: list[mx.array | None] = [None] * len(raws)
+    pieces, owners = [], []
+    for i, r in enumerate(raws):
+        if r.path is None or r.offset is None:
+            out[i] = mx.array(np.ascontiguousarray(r.data))
+            continue
+        for part in _pieces(r, upload.half_bytes):
+            pieces.append(Piece(Path(part.path), part.offset, part.data.nbytes))
+            owners.append((i, part.data.shape))
+    try:
+        loaded = upload.upload(pieces)
+    except OSError as exc:   # the file cut since it was opened
+        raise ArtifactError(raws[0].path, f"cannot read its tensors any more (changed since it was opened?): "
+                            f"{' '.join(str(exc).split())[:200]}") from None
+    parts: dict[int, list[mx.array]] = {}
+    for (i, shape), a in zip(owners, loaded):
+        parts.setdefault(i, []).append(a.reshape(shape))
+    for i, arrays in parts.items():
+        out[i] = arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
+    return out
+
+
 def nonfinite_flag(raw: RawTensor, array: mx.array) -> mx.array | None:
     """Whether a matrix's raw bytes, loaded as `array` (rows, row_bytes) uint8, hold what the
     artifact's weight scan refuses (artifact.check_matrix_weights: a NaN/Inf element, |w| >= 65,536

@@ -152,3 +152,23 @@ def test_load_checks_the_matrices_without_the_host_scan(f32_fixture, monkeypatch
     monkeypatch.setattr(artifact, "check_matrix_weights", lambda *a, **k: pytest.fail("host scan"))
     monkeypatch.setattr(model, "check_matrix_weights", lambda *a, **k: pytest.fail("host scan"))
     model.load(f32_fixture)
+
+
+@pytest.mark.parametrize("half_bytes", [4096, 50_000, 2**27])
+def test_upload_raw_gives_each_tensor_as_stored(artifact, half_bytes):
+    """The weights through the staging (KernelConfig.weights_staged; the staging a host stand-in,
+    tests/test_upload.py): each tensor in row ranges of at most a half, put together, equal to the
+    file's bytes (the oracle: the mapped file), with a tensor made in memory copied."""
+    from test_upload import HostUpload
+
+    from muse_mlx.weight_stream import upload_raw
+
+    raws = [t for n, t in artifact.tensors.items() if n.startswith("blk.1.") or n == "output.weight"]
+    made = RawTensor("made", raws[0].qtype, raws[0].shape, np.arange(raws[0].nbytes, dtype=np.uint8).reshape(
+        raws[0].data.shape))
+    up = HostUpload(half_bytes=half_bytes, threads=2)
+    arrays = upload_raw(raws + [made], up)
+    mx.eval(arrays)
+    for r, a in zip(raws + [made], arrays):
+        assert a.shape == r.data.shape and np.array_equal(np.array(a), r.data), r.name
+    assert len(up.copies) >= len(raws)

@@ -30,6 +30,7 @@ from ..kernels import Kernels
 from ..kernels import plan as kplan
 from ..kv import SlotCache
 from ..quant import dequantize
+from ..weight_stream import upload_raw
 from .reference import ChunkStep, Matrix, ReferenceOps, Slice
 
 
@@ -224,6 +225,19 @@ class GpuOps(ReferenceOps):
             return None
         from ..kernels.upload import pinned_upload
         return pinned_upload()
+
+    def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
+        """KernelConfig.weights_staged = 1 on CUDA: through the page-locked staging (upload_raw);
+        else mx.load in 16 MiB pieces."""
+        up = self.upload if self.kernels.config.weights_staged else None
+        return super()._raw_arrays(raws) if up is None else upload_raw(raws, up)
+
+    def begin_weights(self, nbytes: int) -> None:
+        """KernelConfig.pool_reserve = 1 on CUDA: the device pool grown by the weights' bytes at once
+        (kernels/upload.reserve_device_pool)."""
+        if self.backend == "cuda" and self.kernels.config.pool_reserve:
+            from ..kernels.upload import reserve_device_pool
+            reserve_device_pool(nbytes)
 
     def _eps_array(self, *values: float) -> mx.array:
         if values not in self._eps:

@@ -151,12 +151,18 @@ class ReferenceOps:
     def load_raw(self, raws: list[RawTensor]) -> list[mx.array]:
         """Each raw tensor's (rows, row_bytes) uint8 bytes on the device (weight_stream.load_raw); for
         each matrix, its weight_stream.nonfinite_flag is added to `weight_flags` (Model checks them)."""
-        arrays = load_raw(raws, self.raw_piece_bytes)
+        arrays = self._raw_arrays(raws)
         for r, a in zip(raws, arrays):
             flag = nonfinite_flag(r, a) if len(r.shape) == 2 else None
             if flag is not None:
                 self.weight_flags.append(flag)
         return arrays
+
+    def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
+        return load_raw(raws, self.raw_piece_bytes)
+
+    def begin_weights(self, nbytes: int) -> None:
+        """Called once before a model's `nbytes` of tensors load (GpuOps may reserve memory)."""
 
     def stack_raw(self, raws: list[RawTensor]) -> mx.array:
         """The raw rows of several matrices of one type and row length, one after another."""

@@ -17,9 +17,11 @@
 #           the fused attention (ledger, 2026-12-03); after `prefill`, so the kernels are compiled
 #   cold    scripts/device/cold_start.py: `generate --max-tokens 1` on the bench GGUF, page cache
 #           warm, MLX's kernel disk cache in a fresh folder: once to fill it (our kernel cache
-#           and MLX's own JIT kernels), then twice each, interleaved, with the weights through the
-#           page-locked staging (the default) and through mx.load (pinned_upload=0); then
+#           and MLX's own JIT kernels), then twice each, interleaved, with each of COLD_CONFIGS
+#           ("tag:name=value,...;tag2:..."; default "default:"); the imports alone; then
 #           `llama-completion -n 1` twice when built ($OUT/cold-start.json)
+#   fresh   scripts/device/probe_fresh_memory.py: fresh device memory and the weights' paths,
+#           a fresh process a cell ($OUT/probe-fresh-memory.json)
 # LLAMA_WAIT=0: do not wait for a llama.cpp build still running (its parts are skipped).
 # Carry .device/revision (and .device/part2 on a machine no call has set up yet).
 set -uo pipefail
@@ -73,15 +75,25 @@ if [[ " $PARTS " == *" unseen "* ]]; then
       --reps 1 --warmup 0 --no-matvecs ${cfg:+--kernel-config "$cfg"} --receipt "$OUT/unseen-131072-$lane.json" 2>&1 | grep prefill
   done
 fi
+if [[ " $PARTS " == *" fresh "* ]]; then
+  need_gguf
+  timeout 300 python3 scripts/device/probe_fresh_memory.py --model $G --receipt "$OUT/probe-fresh-memory.json" 2>&1 \
+    | tee "$OUT/probe-fresh-memory.log"
+fi
 if [[ " $PARTS " == *" cold "* ]]; then
   need_gguf
   rm -rf /tmp/ptx-cold && mkdir -p /tmp/ptx-cold
   GEN="python3 -m muse_mlx.generate --model $G --prompt 'The quick brown fox jumps over the lazy dog, and then' --max-tokens 1"
   specs=("kernel-cache-first|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN")
+  IFS=';' read -ra cold_cfgs <<< "${COLD_CONFIGS:-default:}"
   for i in 1 2; do
-    specs+=("pinned-$i|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN"
-            "mx.load-$i|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN --kernel-config pinned_upload=0")
+    for tc in "${cold_cfgs[@]}"; do
+      tag=${tc%%:*}; cfg=${tc#*:}
+      specs+=("$tag-$i|MLX_PTX_CACHE_DIR=/tmp/ptx-cold|$GEN${cfg:+ --kernel-config $cfg}")
+    done
   done
+  specs+=("import-mlx||python3 -c 'import mlx.core as mx; mx.eval(mx.zeros(1))'"
+          "import-generate||python3 -c 'import muse_mlx.generate'")
   wait_llama
   if [ -x $LLAMA/llama-completion ]; then
     LC="$LLAMA/llama-completion -m $G -p 'The quick brown fox jumps over the lazy dog, and then' -n 1 -ngl 99 -no-cnv"
