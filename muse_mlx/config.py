@@ -73,11 +73,10 @@ class KernelConfig:
     pinned_upload: how kvpack's restores reach a CUDA device: 1 = each blob read into page-locked
         staging, checked there and copied by a kernel (kernels/upload.py); 0 = read into host
         memory, checked, and loaded by mx.load. Metal and the CPU share memory: unused there.
-    weights_staged: how the weights reach a CUDA device: 1 = through the same page-locked staging
-        (with pinned_upload = 1); 0 = mx.load in 16 MiB pieces. To be timed (ledger, 2026-12-03).
-    pool_reserve: 1 = on CUDA, before the weights load, the device's memory pool is grown by their
-        bytes at once and keeps what it frees (kernels/upload.reserve_device_pool); 0 = it grows
-        with each new buffer. To be timed (ledger, 2026-12-03).
+    weights_staged: how the weights reach a CUDA device: 1 = all of them in one pass through the same
+        page-locked staging (with pinned_upload = 1; 16 MiB pieces read by several threads while
+        the GPU copies earlier ones) before the model is built; 0 = mx.load, 16 MiB pieces a matrix
+        at a time. To be timed (ledger, 2026-12-03).
     """
 
     ring_chunk: int = 32
@@ -95,7 +94,6 @@ class KernelConfig:
     prefill_layers_in_flight: int = 2
     pinned_upload: int = 1
     weights_staged: int = 0
-    pool_reserve: int = 0
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
@@ -103,7 +101,7 @@ class KernelConfig:
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_layers_in_flight": (1, 2),
-                  "pinned_upload": (0, 1), "weights_staged": (0, 1), "pool_reserve": (0, 1)}
+                  "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:

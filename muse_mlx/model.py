@@ -167,7 +167,7 @@ class Model(nn.Module):
         self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
-        ops.begin_weights(sum(r.nbytes for r in t.values()))
+        ops.begin_weights(list(t.values()))
         self.embed = Embedding(t["token_embd.weight"], ops)
         self._loaded(self.embed.parameters())
         artifact.release([t["token_embd.weight"]])   # its bytes are copied: the mapping need not hold them

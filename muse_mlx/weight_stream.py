@@ -127,9 +127,10 @@ def load_raw(raws: list[RawTensor], piece_bytes: int | None = None) -> list[mx.a
     return out
 
 
-def upload_raw(raws: list[RawTensor], upload) -> list[mx.array]:
-    """load_raw through `upload` (a kernels.upload.PinnedUpload: the page-locked staging, CUDA): each
-    tensor in row ranges of at most the staging's half, put together on the device, evaluated."""
+def upload_raw(raws: list[RawTensor], upload, piece_bytes: int | None = None) -> list[mx.array]:
+    """load_raw through `upload` (a kernels.upload.PinnedUpload: the page-locked staging, CUDA), in one
+    pass: each tensor in row ranges of at most piece_bytes (and the staging's half), the pieces
+    evaluated on the device, each tensor's put together lazily."""
     from .kernels.upload import Piece
 
     out: list[mx.array | None] = [None] * len(raws)
@@ -138,7 +139,7 @@ def upload_raw(raws: list[RawTensor], upload) -> list[mx.array]:
         if r.path is None or r.offset is None:
             out[i] = mx.array(np.ascontiguousarray(r.data))
             continue
-        for part in _pieces(r, upload.half_bytes):
+        for part in _pieces(r, min(piece_bytes or upload.half_bytes, upload.half_bytes)):
             pieces.append(Piece(Path(part.path), part.offset, part.data.nbytes))
             owners.append((i, part.data.shape))
     try:

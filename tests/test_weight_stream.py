@@ -172,3 +172,31 @@ def test_upload_raw_gives_each_tensor_as_stored(artifact, half_bytes):
     for r, a in zip(raws + [made], arrays):
         assert a.shape == r.data.shape and np.array_equal(np.array(a), r.data), r.name
     assert len(up.copies) >= len(raws)
+
+
+@pytest.mark.parametrize("staged", [0, 1])
+def test_the_gpu_ops_load_the_weights_ahead_in_one_pass_when_staged(artifact, monkeypatch, staged):
+    """KernelConfig.weights_staged = 1 (CUDA; the staging a host stand-in): begin_weights reads every
+    matrix through the staging in one pass, and the matrices the model then asks for come from it,
+    byte for byte the file's, with mx.load never called; 0 leaves the weights to mx.load."""
+    from test_upload import HostUpload
+
+    import muse_mlx.ops.reference as reference
+    from muse_mlx.config import KernelConfig
+    from muse_mlx.kernels import Kernels
+    from muse_mlx.kernels.device import Device
+    from muse_mlx.ops.gpu import GpuOps
+
+    up = HostUpload(half_bytes=2**20, threads=2)
+    monkeypatch.setattr(GpuOps, "upload", property(lambda self: up))
+    ops = GpuOps(Kernels(Device(backend="cuda", cores=8), KernelConfig(weights_staged=staged)))
+    raws = list(artifact.tensors.values())
+    ops.begin_weights(raws)
+    matrices = [r for r in raws if len(r.shape) == 2]
+    assert bool(up.copies) == bool(staged)
+    if staged:
+        monkeypatch.setattr(reference, "load_raw", lambda *a, **k: pytest.fail("mx.load"))
+    for r in matrices:
+        (a,) = ops.load_raw([r])
+        assert a.shape == r.data.shape and np.array_equal(np.array(a), r.data), r.name
+    assert not ops._ahead

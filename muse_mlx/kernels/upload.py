@@ -73,11 +73,6 @@ def _driver() -> ctypes.CDLL:
         "cuCtxPopCurrent_v2": [ctypes.POINTER(ptr)],
         "cuMemHostAlloc": [ctypes.POINTER(ptr), ctypes.c_size_t, uint],
         "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(ctypes.c_uint64), ptr, uint],
-        "cuDeviceGetDefaultMemPool": [ctypes.POINTER(ptr), ctypes.c_int],
-        "cuMemPoolSetAttribute": [ptr, ctypes.c_int, ptr],
-        "cuMemAllocFromPoolAsync": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ptr, ptr],
-        "cuMemFreeAsync": [ctypes.c_uint64, ptr],
-        "cuStreamSynchronize": [ptr],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -89,32 +84,6 @@ def _call(lib: ctypes.CDLL, name: str, *args) -> None:
     status = getattr(lib, name)(*args)
     if status != 0:
         raise RuntimeError(f"the CUDA driver's {name} failed with status {status}")
-
-
-CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4
-
-
-def reserve_device_pool(nbytes: int) -> None:
-    """Grow device 0's default memory pool (the one MLX's allocator takes a GPU output's memory
-    from, cudaMallocAsync) by `nbytes` at once and let it keep what it frees (release threshold
-    at its maximum): the buffers the weights load into are then cut from memory the pool holds
-    instead of each growing it."""
-    lib = _driver()
-    dev, ctx, old, pool = ctypes.c_int(0), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    _call(lib, "cuInit", 0)
-    _call(lib, "cuDeviceGet", ctypes.byref(dev), 0)
-    _call(lib, "cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-    _call(lib, "cuCtxPushCurrent_v2", ctx)
-    try:
-        _call(lib, "cuDeviceGetDefaultMemPool", ctypes.byref(pool), dev)
-        keep = ctypes.c_uint64(2**64 - 1)
-        _call(lib, "cuMemPoolSetAttribute", pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, ctypes.byref(keep))
-        block = ctypes.c_uint64(0)
-        _call(lib, "cuMemAllocFromPoolAsync", ctypes.byref(block), nbytes, pool, None)
-        _call(lib, "cuMemFreeAsync", block, None)
-        _call(lib, "cuStreamSynchronize", None)
-    finally:
-        _call(lib, "cuCtxPopCurrent_v2", ctypes.byref(old))
 
 
 class Staging:
@@ -148,6 +117,13 @@ def copy_source() -> str:
 @lru_cache(maxsize=None)
 def _copy_kernel():
     return mx.fast.cuda_kernel(name="muse_upload", input_names=["meta"], output_names=["out"], source=copy_source())
+
+
+def note_copy_kernel(disk_cache) -> None:
+    """Have a kernels.disk_cache.KernelCache compile the copy kernel into MLX's disk cache now (a
+    later process loads it instead of compiling it at its first upload)."""
+    disk_cache.note("muse_upload", "", copy_source(), ["meta"], [mx.zeros((2,), mx.uint64)], ["out"], [mx.uint8], [])
+    disk_cache.ready()
 
 
 def _read(path: Path, offset: int, into: memoryview) -> None:

@@ -205,6 +205,7 @@ class GpuOps(ReferenceOps):
         self._eps: dict[tuple, mx.array] = {}
         self._dequantized = False   # a product of this layer dequantized its matrix (a long chunk)
         self._in_flight: list[list[mx.array]] = []   # the long chunk's layers submitted, not yet waited for
+        self._ahead: dict[tuple, mx.array] = {}   # tensors begin_weights loaded, until the model takes them
         self._l1_max: dict[int, mx.array] = {}   # id of a raw matrix's data -> its f16 values' largest row L1 norm
 
     @property
@@ -227,17 +228,26 @@ class GpuOps(ReferenceOps):
         return pinned_upload()
 
     def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
-        """KernelConfig.weights_staged = 1 on CUDA: through the page-locked staging (upload_raw);
-        else mx.load in 16 MiB pieces."""
-        up = self.upload if self.kernels.config.weights_staged else None
-        return super()._raw_arrays(raws) if up is None else upload_raw(raws, up)
+        """The tensors begin_weights loaded ahead, taken (each once); others by mx.load in 16 MiB
+        pieces (the base class)."""
+        keys = [(r.path, r.offset, r.nbytes) for r in raws]
+        if keys and all(k in self._ahead for k in keys):
+            return [self._ahead.pop(k) for k in keys]
+        return super()._raw_arrays(raws)
 
-    def begin_weights(self, nbytes: int) -> None:
-        """KernelConfig.pool_reserve = 1 on CUDA: the device pool grown by the weights' bytes at once
-        (kernels/upload.reserve_device_pool)."""
-        if self.backend == "cuda" and self.kernels.config.pool_reserve:
-            from ..kernels.upload import reserve_device_pool
-            reserve_device_pool(nbytes)
+    def begin_weights(self, raws: list[RawTensor]) -> None:
+        """KernelConfig.weights_staged = 1 on CUDA: every tensor mapped from a file loaded now, in one
+        pass through the page-locked staging (weight_stream.upload_raw: its reading threads keep
+        the staging's two halves full across tensors, which a pass a matrix would drain), kept
+        until the model takes it."""
+        up = self.upload if self.kernels.config.weights_staged else None
+        mapped = [r for r in raws if r.path is not None and r.offset is not None and len(r.shape) == 2]
+        if up is not None and mapped:
+            if self.kernels.disk_cache is not None:
+                from ..kernels.upload import note_copy_kernel
+                note_copy_kernel(self.kernels.disk_cache)
+            arrays = upload_raw(mapped, up, self.raw_piece_bytes)
+            self._ahead = {(r.path, r.offset, r.nbytes): a for r, a in zip(mapped, arrays)}
 
     def _eps_array(self, *values: float) -> mx.array:
         if values not in self._eps:

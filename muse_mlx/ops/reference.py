@@ -161,8 +161,8 @@ class ReferenceOps:
     def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
         return load_raw(raws, self.raw_piece_bytes)
 
-    def begin_weights(self, nbytes: int) -> None:
-        """Called once before a model's `nbytes` of tensors load (GpuOps may reserve memory)."""
+    def begin_weights(self, raws: list[RawTensor]) -> None:
+        """Called once with every tensor of a model before any loads (GpuOps may load them ahead)."""
 
     def stack_raw(self, raws: list[RawTensor]) -> mx.array:
         """The raw rows of several matrices of one type and row length, one after another."""

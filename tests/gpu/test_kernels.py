@@ -720,6 +720,23 @@ def test_disk_cache_rebuilds_mlx_source(case):
     assert ours.strip("\n") == printed.strip("\n")
 
 
+@CUDA_ONLY
+def test_disk_cache_rebuilds_the_upload_copy_source():
+    """The copy kernel of the page-locked staging (kernels/upload.py), noted by weights_staged's load
+    into the disk cache: mlx_source gives the name and text MLX compiles (nothing copied: 0 bytes)."""
+    from muse_mlx.kernels.disk_cache import mlx_source
+    from muse_mlx.kernels.upload import _copy_kernel, copy_source
+
+    meta = mx.array([0, 0], dtype=mx.uint64)
+    printed_name, printed = _mlx_printed_source(lambda: _copy_kernel()(
+        inputs=[meta], output_shapes=[(16,)], output_dtypes=[mx.uint8], grid=(256, 1, 1), threadgroup=(256, 1, 1),
+        stream=mx.gpu, verbose=True))
+    ours_name, ours = mlx_source("muse_upload", "", copy_source(), [("meta", mx.uint64, 1)], [("out", mx.uint8)], [])
+    same = ours_name == printed_name and ours.strip("\n") == printed.strip("\n")
+    record("disk_cache_source", kernel="upload", name=printed_name, **{"pass": same})
+    assert same
+
+
 _MLX_READS = r'''
 import sys
 import mlx.core as mx, numpy as np
@@ -820,3 +837,20 @@ def test_pinned_upload_copies_every_byte(tmp_path):
                  for p, a, (s, n) in zip(pieces, got, spans))
     record("pinned_upload", pieces=len(pieces), differing=differ, **{"pass": differ == 0})
     assert differ == 0
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("name", ["Q4_K_M-random", "NVFP4-random"])
+def test_weights_through_the_staging_equal_mx_load(fixture_files, name):
+    """KernelConfig.weights_staged = 1: every parameter the model holds is byte for byte the one
+    mx.load's path gives (the staging's pieces, their copies on the GPU and their assembly)."""
+    from mlx.utils import tree_flatten
+
+    arrays = {}
+    for staged in (0, 1):
+        model = load(fixture_files[name], "gpu", KernelConfig(weights_staged=staged))
+        arrays[staged] = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+        del model
+    same = arrays[0].keys() == arrays[1].keys() and all(np.array_equal(arrays[0][k], arrays[1][k]) for k in arrays[0])
+    record("weights_staged_equal", fixture=name, parameters=len(arrays[0]), **{"pass": same})
+    assert same
