@@ -50,11 +50,7 @@ class KernelConfig:
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
         multiplied in float32, the exactness lane for parity runs.
-    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 3 = MLX's fused attention
-        where the chunk's visibility is plain causal (ops/gpu.causal_in_order: the full layers, and
-        the sliding ones until their window cuts), the flash kernel elsewhere (a rotated ring, a
-        window that cuts: the cases whose additive mask cost cuDNN a plan build of ~0.7-1.2 s per
-        new shape, c63e03a); 2 = MLX's fused attention
+    prefill_flash: with prefill_f16 = 1 on CUDA, a chunk's attention: 2 = MLX's fused attention
         (ops/gpu.fused_attention, cuDNN's flash attention on CUDA, f16 in and out; mask="causal"
         where the keys are in position order, else an additive mask from the positions), head dims
         over 128 taking the flash kernel; 1 = the flash kernel everywhere (prefill_attention.inc:
@@ -64,19 +60,21 @@ class KernelConfig:
         1's 3,142 on the H200 with shapes repeated from a warm-up (ledger, 2026-12-03, 2e86100);
         on shapes not seen before, 2 built a plan for each new masked shape in ~0.7-1.2 s (a
         2,600-token prompt 1.86 s against 1's 0.65) but took a 131,072-token prompt in 41.4 s against
-        1's 54.7 (c63e03a), so 1 stays the default; 3 is to be timed.
+        1's 54.7 (c63e03a), so 1 stays the default. (A rule taking the fused attention only where
+        the visibility is plain causal lost on unseen shapes too, 6ff7baf; ledger.)
     prefill_layers_in_flight: a long chunk's layers the GPU may hold queued at once (each with its
         dequantized weights): 1 = each layer evaluated before the next is built; 2 = the next is
         built on the host while the GPU runs the one before (at most two layers' f16 weights, ~2.1
         GB at the pinned geometry). 2 prefilled 512 tokens 1.78x as fast as 1 on the H200
         (ledger, 2026-12-03, 714d5d5); the bits are the same.
-    pinned_upload: how kvpack's restores reach a CUDA device: 1 = each blob read into page-locked
+    pinned_upload: how kvpack's restores (and the weights, with weights_staged) reach a CUDA device: 1 = each blob read into page-locked
         staging, checked there and copied by a kernel (kernels/upload.py); 0 = read into host
         memory, checked, and loaded by mx.load. Metal and the CPU share memory: unused there.
     weights_staged: how the weights reach a CUDA device: 1 = all of them in one pass through the same
         page-locked staging (with pinned_upload = 1; 16 MiB pieces read by several threads while
         the GPU copies earlier ones) before the model is built; 0 = mx.load, 16 MiB pieces a matrix
-        at a time. To be timed (ledger, 2026-12-03).
+        at a time. 1 loaded the bench file's weights in 4.44 / 3.14 s against 0's 6.44 / 7.04 in
+        `generate --max-tokens 1` (H200, 6ff7baf; ledger, 2026-12-03).
     """
 
     ring_chunk: int = 32
@@ -93,14 +91,14 @@ class KernelConfig:
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
     pinned_upload: int = 1
-    weights_staged: int = 0
+    weights_staged: int = 1
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
-                  "prefill_f16": (0, 1), "prefill_flash": (0, 3), "prefill_layers_in_flight": (1, 2),
+                  "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)

@@ -158,3 +158,33 @@ def test_a_half_is_refilled_only_after_its_copies_were_waited_for(files, monkeyp
     got = up.upload(pieces)
     assert [bytes(np.array(a)) for a in got] == [p.path.read_bytes() for p in pieces]
     assert not in_flight   # every copy waited for before upload returned
+
+
+def test_the_cuda_driver_loads_by_its_soname_without_find_library(monkeypatch):
+    """kernels/device.load_cuda_driver: the soname first (ctypes.util.find_library runs ldconfig in
+    subprocesses: 0.66 s of a cold start); find_library only when the soname does not load, and
+    one clear OSError when neither does."""
+    import ctypes
+    import ctypes.util
+
+    from muse_mlx.kernels import device
+
+    opened = []
+
+    def fake_cdll(name, *a, **k):
+        if name not in loadable:
+            raise OSError(f"{name}: cannot open shared object file")
+        opened.append(name)
+        return name
+
+    monkeypatch.setattr(ctypes, "CDLL", fake_cdll)
+    loadable = {"libcuda.so.1"}
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: pytest.fail("find_library"))
+    assert device.load_cuda_driver() == "libcuda.so.1"
+    loadable = {"/opt/driver/libcuda.so"}
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "/opt/driver/libcuda.so")
+    assert device.load_cuda_driver() == "/opt/driver/libcuda.so"
+    loadable = set()
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    with pytest.raises(OSError, match="libcuda.so.1"):
+        device.load_cuda_driver()

@@ -56,14 +56,35 @@ CU_MAX_SHARED_PER_BLOCK_OPTIN = 97
 CU_CAPABILITY_MAJOR, CU_CAPABILITY_MINOR = 75, 76
 
 
+CUDA_DRIVER_SONAME = "libcuda.so.1"
+
+
+def load_cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library (a new handle: callers set their own signatures). By its soname
+    first, which the dynamic loader resolves at once; ctypes.util.find_library only where that
+    fails, since it runs ldconfig (and a compiler) in subprocesses: 0.66 s of a cold start's
+    profile for four lookups (H200, 6ff7baf)."""
+    try:
+        return ctypes.CDLL(CUDA_DRIVER_SONAME)
+    except OSError as exc:
+        name = ctypes.util.find_library("cuda")
+        if name is None:
+            raise OSError(f"the CUDA driver library ({CUDA_DRIVER_SONAME}) does not load: {exc}") from None
+        return ctypes.CDLL(name)
+
+
+@lru_cache(maxsize=None)
+def _attribute_driver() -> ctypes.CDLL:
+    return load_cuda_driver()
+
+
 def cuda_attribute(attribute: int, device_index: int = 0) -> int:
     """An attribute of a CUDA device from the driver API (libcuda, which every machine that
     runs CUDA has): MLX's device_info reports neither the multiprocessors nor the shared memory."""
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
     try:
-        lib = ctypes.CDLL(name)
+        lib = _attribute_driver()
     except OSError as exc:
-        raise RuntimeError(f"MLX reports a CUDA device but the driver library {name} does not load: {exc}") from None
+        raise RuntimeError(f"MLX reports a CUDA device but {exc}") from None
     count, dev = ctypes.c_int(0), ctypes.c_int(0)
     for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(dev), device_index)),
                        ("cuDeviceGetAttribute", (ctypes.byref(count), attribute, dev))):

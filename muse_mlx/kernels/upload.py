@@ -21,7 +21,6 @@ memory the host and the GPU share, so there is nothing to stage (no Metal twin).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 import threading
@@ -63,7 +62,8 @@ def _whole(_: int, view: memoryview) -> tuple[int, int]:
 @lru_cache(maxsize=None)
 def _driver() -> ctypes.CDLL:
     """libcuda with the signatures of the calls used here (64-bit pointers need them)."""
-    lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    from .device import load_cuda_driver
+    lib = load_cuda_driver()
     ptr, uint = ctypes.c_void_p, ctypes.c_uint
     signatures = {
         "cuInit": [uint],

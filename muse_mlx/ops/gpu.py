@@ -220,8 +220,8 @@ class GpuOps(ReferenceOps):
     @property
     def upload(self):
         """CUDA with KernelConfig.pinned_upload = 1: the process's page-locked staging
-        (kernels/upload.py) for kvpack's restores; else None (mx.load). The weights take mx.load
-        in 16 MiB pieces, which loaded them faster (ledger, 2026-12-02, eb3da4d)."""
+        (kernels/upload.py) for kvpack's restores and, with weights_staged = 1, the weights
+        (begin_weights); else None (mx.load)."""
         if self.backend != "cuda" or not self.kernels.config.pinned_upload:
             return None
         from ..kernels.upload import pinned_upload
@@ -335,7 +335,7 @@ class GpuOps(ReferenceOps):
 
     def _flash_rows(self, q, keys, values, q_pos, k_pos, window):
         how = self.kernels.config.prefill_flash
-        if q.shape[-1] <= 128 and (how == 2 or how == 3 and causal_in_order(q_pos, k_pos, window)):   # cuDNN's limit
+        if q.shape[-1] <= 128 and how == 2:   # cuDNN's limit
             return fused_attention(q, keys, values, q_pos, k_pos, window)
         return self.kernels.prefill_attention(q, keys, values, mx.array(q_pos.astype(np.int32)),
                                               mx.array(k_pos.astype(np.int32)), window)

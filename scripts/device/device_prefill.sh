@@ -7,8 +7,7 @@
 #   probe   scripts/device/probe_prefill.py: one layer's steps timed alone ($OUT/prefill-probe.json)
 #   prefill the bench's --prefill 512,2048 at --prefill-depths 0,32768 on each of LANES (default
 #           "f16 f32": prefill_f16 = 1 / 0; "noflash": the f16 lane with prefill_flash = 0;
-#           "inflight1": with prefill_layers_in_flight = 1; "fused": prefill_flash = 2, MLX's fused attention;
-#           "causal": prefill_flash = 3, the fused attention where the visibility is plain causal),
+#           "inflight1": with prefill_layers_in_flight = 1; "fused": prefill_flash = 2, MLX's fused attention),
 #           then llama-bench -p 512,2048 -d 0,32768 when built
 #           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 #   unseen  on each of LANES, shapes no earlier chunk had (no warm-up, one rep, a fresh process
@@ -50,7 +49,7 @@ if [[ " $PARTS " == *" prefill "* ]]; then
   for lane in ${LANES:-f16 f32}; do
     cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"; [ $lane = noflash ] && cfg="prefill_flash=0"
     [ $lane = inflight1 ] && cfg="prefill_layers_in_flight=1"
-    [ $lane = fused ] && cfg="prefill_flash=2"; [ $lane = causal ] && cfg="prefill_flash=3"
+    [ $lane = fused ] && cfg="prefill_flash=2"
     timeout 240 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 512,2048 \
       --prefill-depths 0,32768 --reps 3 --no-matvecs ${cfg:+--kernel-config "$cfg"} \
       --receipt "$OUT/prefill-$lane.json" 2>&1 | tee "$OUT/prefill-$lane.log"
@@ -68,7 +67,7 @@ fi
 if [[ " $PARTS " == *" unseen "* ]]; then
   need_gguf
   for lane in ${LANES:-f16 fused}; do
-    cfg=""; [ $lane = fused ] && cfg="prefill_flash=2"; [ $lane = causal ] && cfg="prefill_flash=3"
+    cfg=""; [ $lane = fused ] && cfg="prefill_flash=2"
     timeout 120 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 700,1300,1900,2600,3300 \
       --reps 1 --warmup 0 --no-matvecs ${cfg:+--kernel-config "$cfg"} --receipt "$OUT/unseen-$lane.json" 2>&1 | grep prefill
     timeout 200 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill 131072 \
