@@ -162,8 +162,8 @@ def test_a_half_is_refilled_only_after_its_copies_were_waited_for(files, monkeyp
 
 def test_the_cuda_driver_loads_by_its_soname_without_find_library(monkeypatch):
     """kernels/device.load_cuda_driver: the soname first (ctypes.util.find_library runs ldconfig in
-    subprocesses: 0.66 s of a cold start); find_library only when the soname does not load, and
-    one clear OSError when neither does."""
+    a subprocess); find_library only when the soname does not load, and one clear OSError when
+    neither does."""
     import ctypes
     import ctypes.util
 

@@ -61,9 +61,8 @@ CUDA_DRIVER_SONAME = "libcuda.so.1"
 
 def load_cuda_driver() -> ctypes.CDLL:
     """The CUDA driver library (a new handle: callers set their own signatures). By its soname
-    first, which the dynamic loader resolves at once; ctypes.util.find_library only where that
-    fails, since it runs ldconfig (and a compiler) in subprocesses: 0.66 s of a cold start's
-    profile for four lookups (H200, 6ff7baf)."""
+    first, which the dynamic loader resolves at once; ctypes.util.find_library (which runs
+    ldconfig in a subprocess, 2-3 ms on the H200's host) only where that fails."""
     try:
         return ctypes.CDLL(CUDA_DRIVER_SONAME)
     except OSError as exc:
