@@ -25,7 +25,7 @@ import jinja2
 import jinja2.filters
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .artifact import Vocabulary
 from .errors import TokenizerError
@@ -68,6 +68,45 @@ def byte_to_unicode() -> dict[int, str]:
             extra += 1
     return mapping
 
+class SpecialSplitter:
+    """Text cut at its special tokens (the vocabulary's control and user-defined tokens, matched
+    on the raw text): at the leftmost place where one starts, the longest, then on after it, as
+    tokenizers' added vocabulary matches them (aho-corasick, leftmost-longest). Done here rather
+    than by `Tokenizer.add_special_tokens`, which holds the GIL for its whole build: 0.63 s for
+    the bench file's 201,485 control tokens on a 2-core host, stalling the threads that load the
+    weights meanwhile (ledger, 2026-12-03). Candidates are found by their first character; an
+    empty token never matches."""
+
+    def __init__(self, specials: dict[str, int]):
+        self.ids = {s: i for s, i in specials.items() if s}
+        lengths: dict[str, set[int]] = {}
+        for s in self.ids:
+            lengths.setdefault(s[0], set()).add(len(s))
+        self.lengths = {c: sorted(ls, reverse=True) for c, ls in lengths.items()}
+        self.starts = re.compile("[" + "".join(re.escape(c) for c in sorted(self.lengths)) + "]") if self.ids else None
+
+    def split(self, text: str) -> list[str | int]:
+        """Pieces of text (non-empty strings) and special tokens' ids, in order."""
+        out: list[str | int] = []
+        at = 0
+        if self.starts is not None:
+            for m in self.starts.finditer(text):
+                i = m.start()
+                if i < at:
+                    continue
+                for n in self.lengths[text[i]]:
+                    token = self.ids.get(text[i:i + n])
+                    if token is not None:
+                        if i > at:
+                            out.append(text[at:i])
+                        out.append(token)
+                        at = i + n
+                        break
+        if at < len(text):
+            out.append(text[at:])
+        return out
+
+
 class MuseTokenizer:
     """Encode text to ids and ids to text the way the pinned llama.cpp does."""
 
@@ -91,13 +130,12 @@ class MuseTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])
             tok.decoder = decoders.ByteLevel()
-            tok.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
-                                    for i in sorted(self.special_ids)])
         except BaseException as exc:  # a backstop: tokenizers' Rust panics are BaseExceptions
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise TokenizerError(f"the vocabulary cannot be built into a tokenizer: {_one_line(exc)}") from None
         self._tok = tok
+        self._specials = SpecialSplitter({vocab.tokens[i]: i for i in self.special_ids})
         self._template = None  # compiled on first use
         self._u2b = {c: b for b, c in byte_to_unicode().items()}
         self.bos_id = vocab.bos_id
@@ -109,7 +147,12 @@ class MuseTokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Text -> ids, parsing special tokens; BOS first if the GGUF asks for it (or `add_bos`)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = []
+        for piece in self._specials.split(text):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids += self._tok.encode(piece, add_special_tokens=False).ids
         if (self.vocab.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
