@@ -25,7 +25,7 @@ import jinja2
 import jinja2.filters
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .artifact import Vocabulary
 from .errors import TokenizerError
@@ -75,7 +75,22 @@ class SpecialSplitter:
     than by `Tokenizer.add_special_tokens`, which holds the GIL for its whole build: 0.63 s for
     the bench file's 201,485 control tokens on a 2-core host, stalling the threads that load the
     weights meanwhile (ledger, 2026-12-03). Candidates are found by their first character; an
-    empty token never matches."""
+    empty token never matches. A place costs one lookup per length its first character starts,
+    so `usable` bounds the lengths (a hostile vocabulary goes back to tokenizers' linear-time
+    matching, with its GIL)."""
+
+    MAX_LENGTHS = 32    # distinct lengths of the special tokens one character starts
+    MAX_CHARS = 256     # the longest special token
+
+    @classmethod
+    def usable(cls, specials: dict[str, int]) -> bool:
+        lengths: dict[str, set[int]] = {}
+        for s in specials:
+            if len(s) > cls.MAX_CHARS:
+                return False
+            if s:
+                lengths.setdefault(s[0], set()).add(len(s))
+        return all(len(ls) <= cls.MAX_LENGTHS for ls in lengths.values())
 
     def __init__(self, specials: dict[str, int]):
         self.ids = {s: i for s, i in specials.items() if s}
@@ -130,12 +145,16 @@ class MuseTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])
             tok.decoder = decoders.ByteLevel()
+            specials = {vocab.tokens[i]: i for i in self.special_ids}
+            self._specials = SpecialSplitter(specials) if SpecialSplitter.usable(specials) else None
+            if self._specials is None:
+                tok.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
+                                        for i in sorted(self.special_ids)])
         except BaseException as exc:  # a backstop: tokenizers' Rust panics are BaseExceptions
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise TokenizerError(f"the vocabulary cannot be built into a tokenizer: {_one_line(exc)}") from None
         self._tok = tok
-        self._specials = SpecialSplitter({vocab.tokens[i]: i for i in self.special_ids})
         self._template = None  # compiled on first use
         self._u2b = {c: b for b, c in byte_to_unicode().items()}
         self.bos_id = vocab.bos_id
@@ -147,12 +166,12 @@ class MuseTokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Text -> ids, parsing special tokens; BOS first if the GGUF asks for it (or `add_bos`)."""
-        ids = []
-        for piece in self._specials.split(text):
-            if isinstance(piece, int):
-                ids.append(piece)
-            else:
-                ids += self._tok.encode(piece, add_special_tokens=False).ids
+        if self._specials is None:   # tokenizers' added vocabulary matches them
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        else:
+            ids = []
+            for piece in self._specials.split(text):
+                ids += [piece] if isinstance(piece, int) else self._tok.encode(piece, add_special_tokens=False).ids
         if (self.vocab.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids

@@ -139,6 +139,25 @@ def test_special_tokens_split_as_tokenizers_added_vocabulary_does(tok):
         assert wide.encode(text, add_bos=False) == _added_vocabulary_encode(wide, text), text
 
 
+def test_a_vocabulary_whose_special_tokens_would_make_the_split_slow_goes_back_to_tokenizers(tok):
+    """Special tokens of more lengths from one first character than SpecialSplitter.MAX_LENGTHS, or
+    one longer than MAX_CHARS (a hostile file: each place of a text would cost a lookup a length):
+    tokenizers' own added vocabulary matches them, and the ids are its ids."""
+    from muse_mlx.tokenizer import TOKEN_TYPE_CONTROL, SpecialSplitter
+
+    vocab = tok.vocab
+    base_types = list(vocab.token_types or [1] * len(vocab.tokens))
+    for extra in (["<" + "q" * n + ">" for n in range(SpecialSplitter.MAX_LENGTHS + 1)],
+                  ["<" + "z" * SpecialSplitter.MAX_CHARS + ">"]):
+        odd = MuseTokenizer(replace(vocab, tokens=list(vocab.tokens) + extra,
+                                    token_types=base_types + [TOKEN_TYPE_CONTROL] * len(extra)))
+        assert odd._specials is None
+        for text in ["<qqq>x<eot", extra[-1] + "<|eot|>" + extra[0], "<" * 50 + extra[-1]]:
+            assert odd.encode(text, add_bos=False) == _added_vocabulary_encode(odd, text), text
+            assert odd.vocab.tokens.index(extra[-1]) in odd.encode(extra[-1], add_bos=False)
+    assert MuseTokenizer(vocab)._specials is not None
+
+
 def test_special_tokens_do_not_hold_the_gil_while_the_tokenizer_is_built():
     """MuseTokenizer over the bench file's vocabulary (202,048 tokens, 201,485 of them control):
     a thread building it lets the main thread run (the longest wait here 0.13 s, tokenizers' BPE
