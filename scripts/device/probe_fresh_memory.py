@@ -4,14 +4,15 @@ MLX 0.32's CUDA allocator gives a GPU op's output (a custom kernel's included) m
 device's default memory pool (cudaMallocAsync), whose release threshold is 0: a fresh process
 grows the pool for each new buffer. The weights through the page-locked staging took 1.78 s in a
 process whose earlier loads had been freed and 4.3-4.4 s in fresh processes (2026-12-02,
-00ace0f). Hypothesis: the ~2.6 s is the pool's growth, paid per allocation, not per byte. Each
+00ace0f). Hypothesis: the ~2.6 s is the pool's growth, paid per allocation, not per byte
+(refuted at 63ac5f9: fresh memory cost nothing; docs/ledger.md, 2026-12-03). Each
 cell runs in a fresh process (the parent spawns itself with --cell); TOTAL is the bench file's
 tensor bytes.
 
   cumem-one            the driver's cuMemAlloc of TOTAL in one call, then a memset of it
   cumem-pieces         cuMemAlloc of TOTAL in 16 MiB pieces
   pool-grow            the default pool grown by one allocation of TOTAL, freed into it, kept
-                       (release threshold raised to the maximum)
+                       (release threshold raised to the maximum; 4 = CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
   fill[-grown]         MLX arrays of TOTAL in 16 MiB pieces, written by a fill (mx.zeros);
                        -grown: after pool-grow
   staging[-grown]      the file's tensors through kernels/upload.py's staging (pieces of at most
@@ -61,10 +62,21 @@ def _check(status, what):
 
 
 def grow_pool(total: int) -> float:
-    """kernels/upload.reserve_device_pool(total); seconds."""
-    from muse_mlx.kernels.upload import reserve_device_pool
+    """Grow device 0's default memory pool by `total` bytes at once and let it keep what it frees
+    (release threshold at its maximum); seconds. (The engine's `pool_reserve` did this at 63ac5f9;
+    it gained nothing and was removed.)"""
+    lib, dev = _driver_context()
+    u64, vp = ctypes.c_uint64, ctypes.c_void_p
+    pool = vp()
     t = time.perf_counter()
-    reserve_device_pool(total)
+    _check(_fn(lib, "cuDeviceGetDefaultMemPool", ctypes.POINTER(vp), ctypes.c_int)(ctypes.byref(pool), dev), "pool")
+    keep = u64(2**64 - 1)
+    _check(_fn(lib, "cuMemPoolSetAttribute", vp, ctypes.c_int, vp)(pool, 4, ctypes.byref(keep)), "threshold")
+    ptr = u64()
+    _check(_fn(lib, "cuMemAllocFromPoolAsync", ctypes.POINTER(u64), ctypes.c_size_t, vp, vp)(
+        ctypes.byref(ptr), total, pool, None), "alloc from pool")
+    _check(_fn(lib, "cuMemFreeAsync", u64, vp)(ptr, None), "free async")
+    _check(_fn(lib, "cuStreamSynchronize", vp)(None), "sync")
     return time.perf_counter() - t
 
 
