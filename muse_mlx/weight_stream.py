@@ -9,7 +9,10 @@ tensors is presented to it as a safetensors stream: a header naming each as a U8
 (`os.preadv`). MLX reads a stream it is given as a Python object when mx.load is called. On the
 CPU and Metal backends it is one copy from the file, as `mx.array` was; on CUDA the bytes pass
 through a host buffer MLX allocates per tensor, so there the tensors are read in row ranges
-(`piece_bytes`, the ops backend's `raw_piece_bytes`) and put together on the device.
+(`piece_bytes`, the ops backend's `raw_piece_bytes`) and put together on the device. On CUDA the
+weights take `upload_raw` instead by default (KernelConfig.weights_staged: all of them in one pass
+through kernels/upload.py's page-locked staging, GpuOps.begin_weights); mx.load stays the way
+for the other backends and with weights_staged = 0.
 """
 
 from __future__ import annotations
