@@ -174,7 +174,7 @@ def run(argv: list[str] | None = None) -> int:
         building = []
         model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
                      progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache,
-                     on_open=lambda artifact: building.append(pool.submit(MuseTokenizer, artifact.vocabulary)))
+                     on_open=lambda artifact: building.append(pool.submit(lambda: MuseTokenizer(artifact.vocabulary))))
         t_tokenizer = time.perf_counter()
         tokenizer = building[0].result() if building else MuseTokenizer(model.artifact.vocabulary)
     g = model.geometry

@@ -167,7 +167,7 @@ class Model(nn.Module):
         self._ops = ops = ops if ops is not None else select_ops("auto")
         g = self.geometry = artifact.geometry
         t = artifact.tensors
-        ops.begin_weights(list(t.values()))
+        self._flags: list[mx.array] | None = [] if ops.begin_weights(list(t.values())) else None
         self.embed = Embedding(t["token_embd.weight"], ops)
         self._loaded(self.embed.parameters())
         artifact.release([t["token_embd.weight"]])   # its bytes are copied: the mapping need not hold them
@@ -186,14 +186,27 @@ class Model(nn.Module):
         self._rope = RopeRows(g.rope_dim, g.rope_base_swa)
         self._compiled: dict = {}   # DecodePlan key -> the compiled decode step
         mx.eval(self.parameters())
+        if self._flags is not None:
+            self._check_flags(self._flags)
+            self._flags = None
 
     def _loaded(self, parameters) -> None:
         """Evaluate newly loaded parameters with the non-finite flags of their matrices (ops.load_raw,
-        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are). A set flag
-        means a bad matrix: the artifact's host scan then names the first, in the file's order."""
+        weight_stream.nonfinite_flag: the weight scan's rule, run where the bytes are). Matrices
+        loaded ahead (ops.begin_weights) are evaluated without a wait and their flags read once,
+        after the last layer; others a layer at a time, which bounds what is loaded at once."""
         flags, self._ops.weight_flags = self._ops.weight_flags, []
+        if self._flags is not None:
+            mx.async_eval(parameters, flags)
+            self._flags += flags
+            return
         mx.eval(parameters, flags)
-        if any(bool(f.item()) for f in flags):
+        self._check_flags(flags)
+
+    def _check_flags(self, flags: list[mx.array]) -> None:
+        """A set flag means a bad matrix: the artifact's host scan then names the first, in the
+        file's order."""
+        if flags and bool(mx.any(mx.stack([f.reshape(()) for f in flags])).item()):
             a = self.artifact
             check_matrix_weights(a.path, a.tensors, {name: r.offset for name, r in a.tensors.items()})
             raise ArtifactError(a.path, "a matrix", "finite weights and block scales",
@@ -295,16 +308,23 @@ class Model(nn.Module):
 
         Chunks end at multiples of `chunk` in absolute positions, so a prompt fed in several calls
         that stop at such multiples (a cache restored from a pack saved there, kvpack) computes
-        every chunk with the same rows as one call from position 0: the same bits."""
+        every chunk with the same rows as one call from position 0: the same bits. A short chunk
+        goes in pieces of the rows ops.chunk_rows gives for its length (so the same pieces)."""
         tokens = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens))
         n = tokens.shape[0]
         cache.check_room(n)
         outs, a = [], 0
         while a < n:
             b = min(n, a + chunk - (cache.offset % chunk))
-            logits = self(tokens[None, a:b], [cache], last_only=not all_logits)[0]
-            mx.eval(logits, cache.state())
-            outs.append(logits)
+            step = self._ops.chunk_rows(b - a)   # a short chunk: in pieces of the decode kernels' rows
+            for s in range(a, b, step):
+                logits = self(tokens[None, s:min(b, s + step)], [cache], last_only=not all_logits)[0]
+                if s + step < b:   # the host builds the next piece while the GPU runs this one
+                    mx.async_eval(logits, cache.state())
+                else:
+                    mx.eval(logits, cache.state())
+                if all_logits or s + step >= b:
+                    outs.append(logits)
             a = b
             if progress is not None:
                 progress(a, n)

@@ -235,7 +235,7 @@ class GpuOps(ReferenceOps):
             return [self._ahead.pop(k) for k in keys]
         return super()._raw_arrays(raws)
 
-    def begin_weights(self, raws: list[RawTensor]) -> None:
+    def begin_weights(self, raws: list[RawTensor]) -> bool:
         """KernelConfig.weights_staged = 1 on CUDA: every tensor mapped from a file loaded now, in one
         pass through the page-locked staging (weight_stream.upload_raw: its reading threads keep
         the staging's two halves full across tensors, which a pass a matrix would drain), kept
@@ -248,6 +248,7 @@ class GpuOps(ReferenceOps):
                 note_copy_kernel(self.kernels.disk_cache)
             arrays = upload_raw(mapped, up, self.raw_piece_bytes)
             self._ahead = {(r.path, r.offset, r.nbytes): a for r, a in zip(mapped, arrays)}
+        return bool(self._ahead)
 
     def _eps_array(self, *values: float) -> mx.array:
         if values not in self._eps:
@@ -323,6 +324,12 @@ class GpuOps(ReferenceOps):
         if f16 and len(caches) * T > kplan.MAX_BATCH and self.flash_prefill(g):
             return ChunkStep(g, caches, T, self._flash_rows)
         return super().kv_step(g, caches, T)
+
+    def chunk_rows(self, n: int) -> int:
+        """KernelConfig.short_prompt: a chunk of at most that many tokens takes the decode kernels
+        (the raw-block matvecs), plan.MAX_BATCH rows a forward, instead of dequantizing every
+        matrix for one product."""
+        return kplan.MAX_BATCH if kplan.MAX_BATCH < n <= self.kernels.config.short_prompt else n
 
     def flash_prefill(self, g: Geometry) -> bool:
         """Whether a long chunk's attention takes _flash_rows (MLX's fused attention or the flash

@@ -161,8 +161,11 @@ class ReferenceOps:
     def _raw_arrays(self, raws: list[RawTensor]) -> list[mx.array]:
         return load_raw(raws, self.raw_piece_bytes)
 
-    def begin_weights(self, raws: list[RawTensor]) -> None:
-        """Called once with every tensor of a model before any loads (GpuOps may load them ahead)."""
+    def begin_weights(self, raws: list[RawTensor]) -> bool:
+        """Called once with every tensor of a model before any loads (GpuOps may load them ahead).
+        -> whether its matrices are now in memory (so the model's checks of them need not bound
+        what is loaded at once: Model evaluates them without a wait a layer)."""
+        return False
 
     def stack_raw(self, raws: list[RawTensor]) -> mx.array:
         """The raw rows of several matrices of one type and row length, one after another."""
@@ -212,6 +215,11 @@ class ReferenceOps:
         """How this forward reaches the caches: a ChunkStep (attend, in place), or on the GPU a
         DecodePlan (`compiled`: the forward runs as the compiled decode step)."""
         return ChunkStep(g, caches, T)
+
+    def chunk_rows(self, n: int) -> int:
+        """The rows each forward of a prefill chunk of n tokens takes (GpuOps: a short chunk in
+        pieces of the decode kernels' rows)."""
+        return n
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
         """After layer i (the GPU backend bounds the dequantized weights alive at once here)."""

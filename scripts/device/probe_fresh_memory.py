@@ -18,6 +18,13 @@ tensor bytes.
   staging[-grown]      the file's tensors through kernels/upload.py's staging (pieces of at most
                        128 MiB), the weights' candidate path
   mxload[-grown]       weight_stream.load_raw in 16 MiB pieces (the weights' path now)
+  staging@H,T,P        the weights' path (weight_stream.upload_raw) with a staging of two H MiB
+                       halves, T reading threads and pieces of at most P MiB (the engine's:
+                       staging@128,8,16)
+  read@T,P             the reads alone: the file's tensors in P MiB pieces into a page-locked
+                       buffer of 256 MiB by T threads, no copies to the GPU
+  copy@H,P             the copies alone: as many P MiB copies out of a staging of two H MiB
+                       halves as the file has pieces, no reads (host bytes as the GPU reads them)
 
 Usage: python scripts/device/probe_fresh_memory.py --model bench.gguf --receipt probe.json [--cells a,b]
 """
@@ -140,6 +147,8 @@ def cell(name: str, model: str) -> dict:
         out["pieces"] = len(pieces)
         del arrays
         return out
+    if "@" in base:
+        return {**out, **_stage_cell(base, raws)}
     if base == "mxload":
         from muse_mlx.weight_stream import load_raw
         t = time.perf_counter()
@@ -148,6 +157,62 @@ def cell(name: str, model: str) -> dict:
         out["seconds"] = time.perf_counter() - t
         return out
     raise ValueError(f"no cell {name!r}")
+
+
+def _stage_cell(name: str, raws) -> dict:
+    """The staging@, read@ and copy@ cells (module doc): seconds and GB/s over the tensors' bytes."""
+    import mlx.core as mx
+    from concurrent.futures import ThreadPoolExecutor
+    from muse_mlx.kernels.upload import Piece, PinnedUpload, _read
+    from muse_mlx.weight_stream import upload_raw
+
+    kind, values = name.split("@")
+    mib = [int(v) for v in values.split(",")]
+    total = sum(r.nbytes for r in raws)
+    if kind == "staging":
+        half, threads, piece = mib
+        up = PinnedUpload(half * 2**20, threads)
+        up.upload([Piece(raws[0].path, raws[0].offset, 256)])   # the staging allocated, the copy kernel built
+        mapped = [r for r in raws if len(r.shape) == 2]
+        t = time.perf_counter()
+        arrays = upload_raw(mapped, up, piece * 2**20)
+        mx.eval(arrays)
+        seconds = time.perf_counter() - t
+        total = sum(r.nbytes for r in mapped)
+    elif kind == "read":
+        threads, piece = mib
+        up = PinnedUpload(128 * 2**20, threads)
+        up._staging = up._allocate(256 * 2**20)
+        step = piece * 2**20
+        spans = [(r.path, r.offset + i, min(step, r.nbytes - i)) for r in raws for i in range(0, r.nbytes, step)]
+        slots = 256 * 2**20 // step
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda k: _read(spans[k][0], spans[k][1],
+                                          up._staging.view[(k % slots) * step:(k % slots) * step + spans[k][2]]),
+                          range(len(spans))))
+        seconds = time.perf_counter() - t
+    elif kind == "copy":
+        half, piece = mib
+        up = PinnedUpload(half * 2**20, 1)
+        up._staging = up._allocate(2 * half * 2**20)
+        step = piece * 2**20
+        slots = 2 * half * 2**20 // step
+        count = -(-total // step)
+        mx.eval(up._copy(0, 256))
+        t = time.perf_counter()
+        pending = []
+        for k in range(count):
+            pending.append(up._copy((k % slots) * step, step))
+            mx.async_eval(pending[-1])
+            if len(pending) >= 2 * slots:
+                mx.eval(pending)
+                pending = []
+        mx.eval(pending)
+        seconds = time.perf_counter() - t
+    else:
+        raise ValueError(f"no cell kind {kind!r}")
+    return {"seconds": seconds, "gb_per_s": total / seconds / 1e9, "bytes": total}
 
 
 def main(argv=None) -> int:
