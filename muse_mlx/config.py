@@ -67,10 +67,6 @@ class KernelConfig:
         built on the host while the GPU runs the one before (at most two layers' f16 weights, ~2.1
         GB at the pinned geometry). 2 prefilled 512 tokens 1.78x as fast as 1 on the H200
         (ledger, 2026-12-03, 714d5d5); the bits are the same.
-    short_prompt: the longest chunk (above plan.MAX_BATCH tokens) fed through the decode kernels,
-        MAX_BATCH token rows a forward, instead of the prefill's products (which dequantize every
-        matrix once a chunk, whatever its length: a fixed cost a short prompt pays whole); 0 =
-        never. The same chunk always takes the same pieces, so resumed prefills keep their bits.
     pinned_upload: how kvpack's restores (and the weights, with weights_staged) reach a CUDA device: 1 = each blob read into page-locked
         staging, checked there and copied by a kernel (kernels/upload.py); 0 = read into host
         memory, checked, and loaded by mx.load. Metal and the CPU share memory: unused there.
@@ -94,7 +90,6 @@ class KernelConfig:
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
-    short_prompt: int = 64
     pinned_upload: int = 1
     weights_staged: int = 1
 
@@ -104,7 +99,6 @@ class KernelConfig:
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
-                  "short_prompt": (0, 4096),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)

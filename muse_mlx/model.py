@@ -308,23 +308,16 @@ class Model(nn.Module):
 
         Chunks end at multiples of `chunk` in absolute positions, so a prompt fed in several calls
         that stop at such multiples (a cache restored from a pack saved there, kvpack) computes
-        every chunk with the same rows as one call from position 0: the same bits. A short chunk
-        goes in pieces of the rows ops.chunk_rows gives for its length (so the same pieces)."""
+        every chunk with the same rows as one call from position 0: the same bits."""
         tokens = tokens if isinstance(tokens, mx.array) else mx.array(np.asarray(tokens))
         n = tokens.shape[0]
         cache.check_room(n)
         outs, a = [], 0
         while a < n:
             b = min(n, a + chunk - (cache.offset % chunk))
-            step = self._ops.chunk_rows(b - a)   # a short chunk: in pieces of the decode kernels' rows
-            for s in range(a, b, step):
-                logits = self(tokens[None, s:min(b, s + step)], [cache], last_only=not all_logits)[0]
-                if s + step < b:   # the host builds the next piece while the GPU runs this one
-                    mx.async_eval(logits, cache.state())
-                else:
-                    mx.eval(logits, cache.state())
-                if all_logits or s + step >= b:
-                    outs.append(logits)
+            logits = self(tokens[None, a:b], [cache], last_only=not all_logits)[0]
+            mx.eval(logits, cache.state())
+            outs.append(logits)
             a = b
             if progress is not None:
                 progress(a, n)

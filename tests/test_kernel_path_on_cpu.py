@@ -352,48 +352,9 @@ def test_prefill_layers_in_flight(f32_fixture):
     for n in (1, 2):
         Watched.queued = 0
         model = Model(open_artifact(f32_fixture), Watched(StandIns(KernelConfig(prefill_layers_in_flight=n,
-                                                                                 prefill_flash=0, short_prompt=0))))
+                                                                                 prefill_flash=0))))
         out[n] = np.array(model.prefill(tokens, model.make_cache(64), all_logits=True))
         assert Watched.queued == n - 1
     assert np.array_equal(out[1], out[2])
 
 
-
-def test_short_prompt_goes_through_the_decode_kernels(tmp_path):
-    """KernelConfig.short_prompt: a chunk of 9..short_prompt tokens is fed plan.MAX_BATCH rows a
-    forward through the matvecs (no matrix dequantized): its logits are those of feeding those
-    pieces one by one, bit for bit; a prompt resumed at a chunk's end takes the same pieces (the
-    same bits as one call); longer chunks and short_prompt = 0 keep the prefill's products; and
-    the short lane stays close to the float32 prefill lane (the stand-ins compute in float32)."""
-    g = DEFAULT_GEOMETRY
-    path = write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=3)
-    tokens = mx.array(np.random.default_rng(31).integers(0, g.n_vocab, 45))
-    assert [GpuOps(StandIns()).chunk_rows(n) for n in (1, 8, 9, 64, 65, 512)] == [1, 8, 8, 8, 65, 512]
-    assert GpuOps(StandIns(KernelConfig(short_prompt=0))).chunk_rows(20) == 20
-
-    kernels = StandIns(KernelConfig(short_prompt=64))
-    model = Model(open_artifact(path), GpuOps(kernels))
-    short = np.array(model.prefill(tokens[:20], model.make_cache(64), all_logits=True))
-    assert kernels.dequantized == [] and 8 in kernels.glue_rows and 4 in kernels.glue_rows
-    cache = model.make_cache(64)
-    pieces = np.concatenate([np.array(model(tokens[None, a:b], [cache])[0]) for a, b in ((0, 8), (8, 16), (16, 20))])
-    assert np.array_equal(short, pieces)
-
-    once = np.array(model.prefill(tokens, model.make_cache(64), chunk=32))   # chunks of 32 and 13: 8 x 4, 8 + 5
-    cache = model.make_cache(64)
-    model.prefill(tokens[:32], cache, chunk=32)
-    assert np.array_equal(once, np.array(model.prefill(tokens[32:], cache, chunk=32)))
-    assert kernels.dequantized == []
-
-    products = {}
-    for lane in (0, 1):
-        long = StandIns(KernelConfig(short_prompt=0, prefill_f16=lane))
-        m = Model(open_artifact(path), GpuOps(long))
-        products[lane] = np.array(m.prefill(tokens[:20], m.make_cache(64), all_logits=True))
-        assert bool(long.dequantized) == bool(lane)   # the f16 lane dequantizes by the kernel
-    assert not np.array_equal(short, products[1])
-    d = np.abs(log_softmax(short.astype(np.float64)) - log_softmax(products[0].astype(np.float64))).max()
-    assert d < 2e-3, d
-    f16 = StandIns(KernelConfig(short_prompt=16))
-    Model(open_artifact(path), GpuOps(f16)).prefill(tokens[:20], model.make_cache(64))
-    assert f16.dequantized   # 20 > 16: the prefill's products

@@ -325,12 +325,6 @@ class GpuOps(ReferenceOps):
             return ChunkStep(g, caches, T, self._flash_rows)
         return super().kv_step(g, caches, T)
 
-    def chunk_rows(self, n: int) -> int:
-        """KernelConfig.short_prompt: a chunk of at most that many tokens takes the decode kernels
-        (the raw-block matvecs), plan.MAX_BATCH rows a forward, instead of dequantizing every
-        matrix for one product."""
-        return kplan.MAX_BATCH if kplan.MAX_BATCH < n <= self.kernels.config.short_prompt else n
-
     def flash_prefill(self, g: Geometry) -> bool:
         """Whether a long chunk's attention takes _flash_rows (MLX's fused attention or the flash
         kernel): the f16 lane with prefill_flash on CUDA (on Metal the kernel's tensor-core products

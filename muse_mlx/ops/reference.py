@@ -216,11 +216,6 @@ class ReferenceOps:
         DecodePlan (`compiled`: the forward runs as the compiled decode step)."""
         return ChunkStep(g, caches, T)
 
-    def chunk_rows(self, n: int) -> int:
-        """The rows each forward of a prefill chunk of n tokens takes (GpuOps: a short chunk in
-        pieces of the decode kernels' rows)."""
-        return n
-
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
         """After layer i (the GPU backend bounds the dequantized weights alive at once here)."""
 

@@ -8,7 +8,7 @@
 #   prefill the bench's --prefill 512,2048 at --prefill-depths 0,32768 on each of LANES (default
 #           "f16 f32": prefill_f16 = 1 / 0; "noflash": the f16 lane with prefill_flash = 0;
 #           "inflight1": with prefill_layers_in_flight = 1; "fused": prefill_flash = 2, MLX's fused attention;
-#           "noshort": short_prompt = 0; PREFILL_LENGTHS and PREFILL_DEPTHS replace the lists),
+#           PREFILL_LENGTHS and PREFILL_DEPTHS replace the lists),
 #           then llama-bench -p 512,2048 -d 0,32768 when built
 #           ($OUT/prefill-LANE.json, llama-prefill.json, bench-compare-LANE.json)
 #   unseen  on each of LANES, shapes no earlier chunk had (no warm-up, one rep, a fresh process
@@ -50,7 +50,7 @@ if [[ " $PARTS " == *" prefill "* ]]; then
   for lane in ${LANES:-f16 f32}; do
     cfg=""; [ $lane = f32 ] && cfg="prefill_f16=0"; [ $lane = noflash ] && cfg="prefill_flash=0"
     [ $lane = inflight1 ] && cfg="prefill_layers_in_flight=1"
-    [ $lane = fused ] && cfg="prefill_flash=2"; [ $lane = noshort ] && cfg="short_prompt=0"
+    [ $lane = fused ] && cfg="prefill_flash=2"
     timeout 240 python3 -m muse_mlx.tools.bench --model $G --synthetic --depths "" --prefill ${PREFILL_LENGTHS:-512,2048} \
       --prefill-depths ${PREFILL_DEPTHS:-0,32768} --reps 3 --no-matvecs ${cfg:+--kernel-config "$cfg"} \
       --receipt "$OUT/prefill-$lane.json" 2>&1 | tee "$OUT/prefill-$lane.log"

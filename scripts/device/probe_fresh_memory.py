@@ -18,12 +18,12 @@ tensor bytes.
   staging[-grown]      the file's tensors through kernels/upload.py's staging (pieces of at most
                        128 MiB), the weights' candidate path
   mxload[-grown]       weight_stream.load_raw in 16 MiB pieces (the weights' path now)
-  staging@H,T,P        the weights' path (weight_stream.upload_raw) with a staging of two H MiB
+  staging@HxTxP        the weights' path (weight_stream.upload_raw) with a staging of two H MiB
                        halves, T reading threads and pieces of at most P MiB (the engine's:
-                       staging@128,8,16)
-  read@T,P             the reads alone: the file's tensors in P MiB pieces into a page-locked
+                       staging@128x8x16)
+  read@TxP             the reads alone: the file's tensors in P MiB pieces into a page-locked
                        buffer of 256 MiB by T threads, no copies to the GPU
-  copy@H,P             the copies alone: as many P MiB copies out of a staging of two H MiB
+  copy@HxP             the copies alone: as many P MiB copies out of a staging of two H MiB
                        halves as the file has pieces, no reads (host bytes as the GPU reads them)
 
 Usage: python scripts/device/probe_fresh_memory.py --model bench.gguf --receipt probe.json [--cells a,b]
@@ -167,7 +167,7 @@ def _stage_cell(name: str, raws) -> dict:
     from muse_mlx.weight_stream import upload_raw
 
     kind, values = name.split("@")
-    mib = [int(v) for v in values.split(",")]
+    mib = [int(v) for v in values.split("x")]
     total = sum(r.nbytes for r in raws)
     if kind == "staging":
         half, threads, piece = mib
