@@ -1,4 +1,4 @@
+from . import cli
 from .generate import main
-import sys
 
-sys.exit(main())
+cli.exit_now(main())

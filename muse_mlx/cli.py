@@ -43,7 +43,9 @@ def run(command: Callable[[list[str] | None], int], argv: list[str] | None = Non
 
 def exit_now(status: int) -> None:
     """End the process with `status`, skipping the interpreter's teardown: Python's streams and
-    log handlers flushed, then os._exit. For the commands whose engine runs MLX on a worker thread
+    log handlers flushed, then os._exit. For generate, whose teardown (MLX freeing ~19 GB of
+    device memory buffer by buffer, the interpreter's) took ~0.15 s of a short run's ~4 s on the
+    H200 (docs/ledger.md, 2026-12-03); and for the commands whose engine runs MLX on a worker thread
     (the server's slots, bench_serving's engine-loop cells): with MLX 0.32.4, a process that
     evaluated a prefill and a decode step on such a thread aborts in its C++ teardown at exit
     ("terminate called without an active exception", status 134), after all its work is done and
