@@ -200,3 +200,34 @@ def test_the_gpu_ops_load_the_weights_ahead_in_one_pass_when_staged(artifact, mo
         (a,) = ops.load_raw([r])
         assert a.shape == r.data.shape and np.array_equal(np.array(a), r.data), r.name
     assert not ops._ahead
+
+
+@pytest.mark.parametrize("staged", [0, 1])
+def test_a_non_finite_matrix_is_refused_staged_or_not(f32_fixture, tmp_path, monkeypatch, staged):
+    """A NaN in one matrix of a file opened without the host scan: the model's load refuses it and
+    names the tensor, whether the weights came through the staging in one pass (their flags read
+    once, after the last layer) or a layer at a time (the staging a host stand-in)."""
+    import shutil
+
+    from test_upload import HostUpload
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.config import KernelConfig
+    from muse_mlx.errors import ArtifactError
+    from muse_mlx.kernels import Kernels
+    from muse_mlx.kernels.device import Device
+    from muse_mlx.model import Model
+    from muse_mlx.ops.gpu import GpuOps
+
+    path = tmp_path / "nan.gguf"
+    shutil.copy(f32_fixture, path)
+    target = open_artifact(path, check_weights=False).tensors["blk.5.ffn_up.weight"]
+    with open(path, "r+b") as f:
+        f.seek(target.offset + 4 * 300)
+        f.write(np.array([np.nan], dtype=np.float32).tobytes())
+    up = HostUpload(half_bytes=2**20, threads=2)
+    monkeypatch.setattr(GpuOps, "upload", property(lambda self: up))
+    ops = GpuOps(Kernels(Device(backend="cuda", cores=8), KernelConfig(weights_staged=staged)))
+    with pytest.raises(ArtifactError, match="blk.5.ffn_up.weight"):
+        Model(open_artifact(path, check_weights=False), ops)
+    assert bool(up.copies) == bool(staged)
