@@ -25,7 +25,6 @@ from .kv import SlotCache
 from .sampling import Sampler, SamplerSettings, all_finite
 
 DEFAULT_PROMPT = "A list is"
-LOAD_SWITCH_INTERVAL = 1e-4   # seconds: the GIL's switch interval while the model and tokenizer load
 
 
 def generate_tokens(model, cache: SlotCache, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
@@ -171,22 +170,13 @@ def run(argv: list[str] | None = None) -> int:
 
     t_load = time.perf_counter()
     model_path = args.model if args.model is not None else default_model_path()
-    # The tokenizer is built on a thread while the weights load. Its Python holds the GIL, and the
-    # load's threads each need it back after every piece they read or copy: with the default
-    # 5 ms switch interval those handoffs cost the load ~0.6 s on the H200 (docs/ledger.md,
-    # 2026-12-03), so the interval is shortened while both run.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(LOAD_SWITCH_INTERVAL)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            building = []
-            model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
-                         progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache,
-                         on_open=lambda a: building.append(pool.submit(lambda: MuseTokenizer(a.vocabulary))))
-            t_tokenizer = time.perf_counter()
-            tokenizer = building[0].result() if building else MuseTokenizer(model.artifact.vocabulary)
-    finally:
-        sys.setswitchinterval(interval)
+    with ThreadPoolExecutor(max_workers=1) as pool:   # the tokenizer is built while the weights load
+        building = []
+        model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
+                     progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache,
+                     on_open=lambda a: building.append(pool.submit(lambda: MuseTokenizer(a.vocabulary))))
+        t_tokenizer = time.perf_counter()
+        tokenizer = building[0].result() if building else MuseTokenizer(model.artifact.vocabulary)
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:
