@@ -44,24 +44,31 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
 
     Pipelined: the step that feeds token t back is built from t's lazy value and submitted
     (mx.async_eval) before t is read, so the host prepares step t+1 while the GPU computes
-    step t (as mlx-lm generates). The tokens are those of feeding each token back only after
-    reading it. The cache contract: it holds the prompt and every token fed back, which here
-    includes a stop token (that step was already under way when the stop was read), but not
-    the last token when max_tokens or the context ends the run."""
+    step t (as mlx-lm generates). The first token alone is read before its step is built: it
+    shows as soon as the prompt is done, not after that step's build (a process's first
+    compiled step is traced then, ~0.3 s on the H200) and computation. The tokens are those of
+    feeding each token back only after reading it. The cache contract: it holds the prompt and
+    every token fed back, which includes a stop token read while its step was under way (any
+    but the first), but not the last token when max_tokens or the context ends the run."""
     position = cache.offset - 1
     token, finite = sampler.token(logits), all_finite(logits)
+
+    def submit(token: mx.array):
+        step_logits = model.step(token, cache)
+        following = (sampler.token(step_logits), all_finite(step_logits))
+        mx.async_eval(*following)
+        return following
     for i in range(max_tokens):
-        following = None
-        if i + 1 < max_tokens and cache.room > 0:
-            step_logits = model.step(token, cache)
-            following = (sampler.token(step_logits), all_finite(step_logits))
-            mx.async_eval(*following)
+        more = i + 1 < max_tokens and cache.room > 0
+        following = submit(token) if more and i > 0 else None
         if not finite.item():
             raise NonFiniteError(position)
         value = int(token.item())
         if value in stop_ids:
             return
         yield value
+        if more and following is None:   # the first token, shown before its step is built
+            following = submit(token)
         if following is None:
             return
         (token, finite), position = following, position + 1

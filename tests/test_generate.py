@@ -312,3 +312,20 @@ def test_all_finite_agrees_with_isfinite_and_stays_small():
     dot = io.StringIO()
     mx.export_to_dot(dot, all_finite(logits))
     assert len(re.findall(r'label ="(\w+)"', dot.getvalue())) <= 5
+
+
+def test_the_first_token_shows_before_its_step_is_built(f32_fixture):
+    """decode_tokens reads the first token before building the step that feeds it back (that
+    build is a process's first trace of the compiled step), and pipelines every later one: when
+    token t > 0 is yielded, the step feeding it back is already built."""
+    model = load(f32_fixture)
+    steps = []
+    step = model.step
+    model.step = lambda token, cache: steps.append(cache.offset) or step(token, cache)
+    ids = MuseTokenizer(model.artifact.vocabulary).encode("The weights are a river.")
+    cache = model.make_cache()
+    seen = []
+    for t in generate_tokens(model, cache, ids, Sampler(SamplerSettings()), 5):
+        seen.append(len(steps))
+    assert seen == [0, 2, 3, 4, 4]   # built when yielded: none, then steps 1..t+1, the last not fed back
+    assert cache.offset == len(ids) + 4
