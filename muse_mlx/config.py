@@ -46,6 +46,15 @@ class KernelConfig:
         matrix. 16,384: Q|K|gate (8,704 rows), o_proj and FFN down (6,656) on x_shared, gate|up
         (39,936) and the LM head on the tensor cores; the packed step at B = 2 144.7 against
         132.6 tok/s with 0 (H200, bc94ad1).
+    mma_min_rows: with three or four rows of x, the fewest rows of a matrix (N) whose product
+        takes the tensor cores; smaller ones keep x_shared (as many rows a launch as
+        plan.stream_batch_rows allows); 0 = every matrix.
+    mma_silu: where the FFN down product takes the tensor cores, its input silu(gate) * up is made
+        inside the kernel (1: the x_silu_mul prologue, in every threadgroup) or by MLX ops before
+        it, the plain form then taking it (0: one elementwise launch, and the plain form's
+        registers).
+    mma_parts: the fewest parts of K (grid y, each with its own x fragments, their products
+        added) of the tensor-core form; 0 = the fewest whose fragments fit threadgroup memory.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -87,6 +96,9 @@ class KernelConfig:
     mma_warps: int = 0
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
+    mma_min_rows: int = 0
+    mma_silu: int = 1
+    mma_parts: int = 0
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
@@ -97,7 +109,8 @@ class KernelConfig:
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
-                  "mma_pair_min_rows": (0, 1 << 24),
+                  "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24), "mma_silu": (0, 1),
+                  "mma_parts": (0, 8),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():

@@ -5,6 +5,7 @@ The kernels themselves run in tests/gpu (on the H200) and, as Metal text, in the
 (test_metal_kernels_emulated.py).
 """
 
+import mlx.core as mx
 import pytest
 from gguf import GGMLQuantizationType as QT
 
@@ -241,6 +242,50 @@ def test_tensor_core_plans_fit_the_hardware():
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
 
+def test_tensor_core_knobs_route_the_products():
+    """mma_min_rows keeps matrices below it on x_shared at three and four rows (V's 256 rows) and
+    leaves two rows to mma_pair_min_rows; mma_parts splits K into at least that many parts (each
+    part's fragments the smaller); mma_silu = 0 makes the FFN down input with MLX ops and gives
+    it to the plain form, 1 keeps the activation in the kernel. The launches are recorded, not
+    run (a CUDA plan on a CPU machine)."""
+    from muse_mlx.kernels import Kernels
+    from muse_mlx.ops.gpu import GpuOps
+    from muse_mlx.ops.reference import Matrix, Slice
+    h200 = Device("cuda", 132, 232448)
+    small = Kernels(h200, KernelConfig(mma_min_rows=1024))
+    assert not small._takes_mma(QT.Q6_K, 6656, 256, 3) and not small._takes_mma(QT.Q6_K, 6656, 256, 4)
+    assert small._takes_mma(QT.Q4_K, 6656, 8704, 3) and small._takes_mma(QT.Q6_K, 6656, 1024, 4)
+    assert Kernels(h200)._takes_mma(QT.Q6_K, 6656, 256, 3)
+    assert not small._takes_mma(QT.Q4_K, 6656, 8704, 2) and small._takes_mma(QT.Q4_K, 6656, 39936, 2)
+    # parts of whole blocks: 104 units (K = 6,656) split in 1 or 2, 312 (19,968) in 1, 2, 3 or 6
+    for k, parts, want in ((6656, 2, 2), (19968, 3, 3), (19968, 4, 6), (19968, 1, 2)):
+        p = plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig(mma_parts=parts), "_silu")
+        assert p.parts == want and p.memory == plan.MMA_UNIT_BYTES * k // 64 // want + 32, (k, parts, p)
+    assert plan.mma_plan(QT.Q4_K, 6656, 39936, 4, h200, KernelConfig(mma_parts=3)) is None
+
+    def launched(config, rows):
+        names = []
+
+        def build(name, backend, memory):
+            def launch(*, inputs, output_shapes, output_dtypes, **kw):
+                names.append(name)
+                return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+            return launch
+        ops = GpuOps(Kernels(h200, config, build=build))
+        k, n = 19968, 6656
+        w = Matrix(mx.zeros((n, k // 256 * 144), dtype=mx.uint8), QT.Q4_K, True, k, n)
+        gu = mx.ones((rows, 2 * k))
+        mx.eval(ops.down_silu(w, Slice(gu, 0, k), Slice(gu, k, k)))
+        return names
+    assert launched(KernelConfig(), 4) == ["matvec_mma_silu_q4_k"]
+    assert launched(KernelConfig(mma_silu=0), 4) == ["matvec_mma_q4_k"]
+    assert launched(KernelConfig(mma_silu=0), 3) == ["matvec_mma_q4_k"]
+    # where the tensor cores do not take the product (two rows below mma_pair_min_rows, one row)
+    # the activation stays in the streaming kernel whatever mma_silu says
+    assert launched(KernelConfig(mma_silu=0), 2) == ["matvec_stream_shared_silu_q4_k"]
+    assert launched(KernelConfig(mma_silu=0), 1) == ["matvec_stream_silu_q4_k"]
+
+
 @pytest.mark.parametrize("qtype, n, k, act", [(QT.Q4_K, 39936, 6656, ""), (QT.Q4_K, 8704, 6656, ""),
                                               (QT.Q4_K, 6656, 4096, ""), (QT.Q6_K, 6656, 19968, "_silu"),
                                               (QT.Q4_K, 6656, 19968, "_silu"), (QT.Q6_K, 262144, 6656, ""),
@@ -280,7 +325,8 @@ def test_kernel_config_parses_and_rejects():
                           ("stream_batch=5", "0..4"), ("stream_batch_rf=3", "0, 1, 2 or 4"),
                           ("stream_batch_rf=8", "0..4"), ("stream_mma=1", "0 \\(never\\)"),
                           ("stream_mma=5", "0..4"), ("mma_warps=33", "0..32"),
-                          ("mma_pair_min_rows=-1", "0..16777216")]:
+                          ("mma_pair_min_rows=-1", "0..16777216"), ("mma_min_rows=-1", "0..16777216"),
+                          ("mma_silu=2", "0..1"), ("mma_parts=9", "0..8")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

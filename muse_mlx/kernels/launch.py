@@ -72,9 +72,11 @@ class Kernels:
 
     def _takes_mma(self, qtype: QT, K: int, N: int, B: int, act: str = "") -> bool:
         """Whether B > 1 rows take the tensor-core form: on CUDA, from config.stream_mma rows on, where it
-        applies (two rows: over matrices of config.mma_pair_min_rows rows or more)."""
-        return (self.device.backend == "cuda" and 2 <= self.config.stream_mma <= B
-                and (B > 2 or N >= self.config.mma_pair_min_rows)
+        applies (over matrices of config.mma_pair_min_rows rows or more with two rows of x, of
+        config.mma_min_rows or more with three or four)."""
+        config = self.config
+        return (self.device.backend == "cuda" and 2 <= config.stream_mma <= B
+                and N >= (config.mma_pair_min_rows if B == 2 else config.mma_min_rows)
                 and plan.mma_plan(qtype, K, N, B, self.device, self.config, act) is not None)
 
     def matvec_mma(self, w: mx.array, qtype: QT, xs: list[mx.array], up_offset: int = 0,

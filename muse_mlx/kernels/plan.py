@@ -198,7 +198,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
     not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
     fragments that no part count up to 8 fits into threadgroup memory). K is split into the
-    fewest parts (whole blocks each) whose fragments fit; KW warps share a tile (the config's,
+    fewest parts (whole blocks each, at least config.mma_parts) whose fragments fit; KW warps share a tile (the config's,
     else mma_split's); the threadgroups fill the multiprocessors as far as their memory,
     threads and registers allow."""
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
@@ -208,7 +208,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     split_regs = whole_regs + MMA_SPLIT_MARGIN
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
-    for parts in range(1, 9):
+    for parts in range(max(1, config.mma_parts), 9):
         if units % parts or (units // parts) % 4:
             continue
         upp = units // parts
