@@ -132,14 +132,17 @@ def test_kernel_path_logits_under_other_configs(fixture_files, name, candidate):
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
-def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
+@pytest.mark.parametrize("setting", ["default", "mma-plain-act"])
+def test_batched_decode_equals_each_sequence_alone(fixture_files, name, setting):
     """B = 3 sequences at different depths (one past the ring wrap) decoded by one compiled step:
     each row's logits against the same sequence decoded alone (B = 1) on the GPU. Batched, the
     products read each weight once for the three rows (Q4_K / Q6_K: x in threadgroup memory, each
     row's sums in one row's order). The allowance is measured at the same positions: the distance of the solo GPU rows from the reference
     backend's (CPU, float32, another order again), times 4, plus the f16-KV level 5e-3. (The
     random-block fixture is ill-conditioned: a fixed 0.15 failed at 0.179 with top-1 agreeing,
-    2026-12-01, ebd927c.)"""
+    2026-12-01, ebd927c.) "mma-plain-act": the batched step with KernelConfig.mma_silu = 0 (the FFN
+    down input made by MLX ops, the plain tensor-core form)."""
+    config = {"default": KernelConfig(), "mma-plain-act": KernelConfig(mma_silu=0)}[setting]
     g = DEFAULT_GEOMETRY
     rng = np.random.default_rng([SEED, 31])
     prompts = [rng.integers(0, g.n_vocab, n) for n in (3, 40, g.sliding_window + 9)]
@@ -147,7 +150,7 @@ def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
 
     def decode(backend, batched):
         with mx.stream(mx.gpu if backend == "gpu" else mx.cpu):
-            model = load(fixture_files[name], backend)
+            model = load(fixture_files[name], backend, config if batched else KernelConfig())
             caches = []
             for p in prompts:
                 caches.append(model.make_cache(200))
@@ -165,7 +168,7 @@ def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
     agree = bool((batch.argmax(-1) == solo.argmax(-1)).all())
     allowance = 5e-3 + 4 * d_ref
     ok = bool(np.isfinite(batch).all() and d_batch < allowance and (agree or name != "F32"))
-    record("batched_decode", fixture=name, sequences=len(prompts), max_abs_dlogprob=d_batch,
+    record("batched_decode", fixture=name, setting=setting, sequences=len(prompts), max_abs_dlogprob=d_batch,
            solo_vs_reference=d_ref, allowance=allowance, top1_agree=agree, **{"pass": ok})
     assert ok, (d_batch, d_ref, agree)
 
