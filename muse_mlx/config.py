@@ -48,13 +48,19 @@ class KernelConfig:
         132.6 tok/s with 0 (H200, bc94ad1).
     mma_min_rows: with three or four rows of x, the fewest rows of a matrix (N) whose product
         takes the tensor cores; smaller ones keep x_shared (as many rows a launch as
-        plan.stream_batch_rows allows); 0 = every matrix.
+        plan.stream_batch_rows allows); 0 = every matrix. 1,024: V (256 rows) on x_shared, 6.9-8.0
+        against 15.1-16.1 us a launch at B = 3-4 (H200, c202a3c, ledger 2026-12-03).
     mma_silu: where the FFN down product takes the tensor cores, its input silu(gate) * up is made
         inside the kernel (1: the x_silu_mul prologue, in every threadgroup) or by MLX ops before
         it, the plain form then taking it (0: one elementwise launch, and the plain form's
-        registers).
+        registers: 21 warps a threadgroup for Q4_K against the silu form's 14). 0: FFN down Q4_K
+        111 -> 62 us, Q6_K 114 -> 96 at B = 4 (c202a3c).
     mma_parts: the fewest parts of K (grid y, each with its own x fragments, their products
-        added) of the tensor-core form; 0 = the fewest whose fragments fit threadgroup memory.
+        added by one more node) of the tensor-core form, where K's whole blocks split into that
+        many or more (up to plan.MMA_MAX_PARTS); else the fewest whose fragments fit threadgroup
+        memory; 0 = always the fewest that fit. 6: FFN down's 19,968 in six parts (Q4_K 62 -> 43
+        us, Q6_K 96 -> 81 at B = 4), o_proj's 4,096 in eight (20.5 -> 16.9), 6,656 whole; the
+        packed step at B = 4 270.6 -> 282.6 tok/s (c202a3c).
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -96,9 +102,9 @@ class KernelConfig:
     mma_warps: int = 0
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
-    mma_min_rows: int = 0
-    mma_silu: int = 1
-    mma_parts: int = 0
+    mma_min_rows: int = 1024
+    mma_silu: int = 0
+    mma_parts: int = 6
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2

@@ -201,10 +201,15 @@ def test_tensor_core_plans_fit_the_hardware():
     of K fit one part up to K = 6,656 (26 warps of 4 units; 16 of 4 at 4,096), the FFN down
     product's 19,968 takes two parts of 156 units (13 warps for Q4_K's silu form, whose 113
     registers allow 18, 26 for Q6_K's); threadgroup memory, threads and registers fit a
-    multiprocessor. Metal's plans keep x_shared, and so does stream_mma=0 on CUDA."""
+    multiprocessor (the fewest parts that fit: mma_parts = 0). With the default mma_parts (6),
+    19,968 takes six parts of 52 units, 4,096 eight of 8 (no count from 6 up splits 6,656's 26
+    blocks into whole blocks, so it keeps one). Metal's plans keep x_shared, and so does
+    stream_mma=0 on CUDA."""
     from muse_mlx.kernels import Kernels
     h200 = Device("cuda", 132, 232448)
-    whole = KernelConfig(mma_tile_warps=32)     # the whole threadgroup on one tile
+    whole = KernelConfig(mma_tile_warps=32, mma_parts=0)     # the whole threadgroup on one tile
+    for k, parts in ((19968, 6), (4096, 8), (6656, 1)):
+        assert plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig()).parts == parts
     for k, warps, parts in ((4096, 16, 1), (6656, 26, 1), (19968, 26, 2)):
         for b in (2, 3, 4):
             p = plan.mma_plan(QT.Q4_K, k, 6656, b, h200, whole)
@@ -244,8 +249,8 @@ def test_tensor_core_plans_fit_the_hardware():
 
 def test_tensor_core_knobs_route_the_products():
     """mma_min_rows keeps matrices below it on x_shared at three and four rows (V's 256 rows) and
-    leaves two rows to mma_pair_min_rows; mma_parts splits K into at least that many parts (each
-    part's fragments the smaller); mma_silu = 0 makes the FFN down input with MLX ops and gives
+    leaves two rows to mma_pair_min_rows; mma_parts splits K into at least that many parts where
+    K's blocks split so (each part's fragments the smaller), else into the fewest that fit; mma_silu = 0 makes the FFN down input with MLX ops and gives
     it to the plain form, 1 keeps the activation in the kernel. The launches are recorded, not
     run (a CUDA plan on a CPU machine)."""
     from muse_mlx.kernels import Kernels
@@ -255,13 +260,16 @@ def test_tensor_core_knobs_route_the_products():
     small = Kernels(h200, KernelConfig(mma_min_rows=1024))
     assert not small._takes_mma(QT.Q6_K, 6656, 256, 3) and not small._takes_mma(QT.Q6_K, 6656, 256, 4)
     assert small._takes_mma(QT.Q4_K, 6656, 8704, 3) and small._takes_mma(QT.Q6_K, 6656, 1024, 4)
-    assert Kernels(h200)._takes_mma(QT.Q6_K, 6656, 256, 3)
+    assert Kernels(h200, KernelConfig(mma_min_rows=0))._takes_mma(QT.Q6_K, 6656, 256, 3)
+    assert not Kernels(h200)._takes_mma(QT.Q6_K, 6656, 256, 3)   # the default: 1,024
     assert not small._takes_mma(QT.Q4_K, 6656, 8704, 2) and small._takes_mma(QT.Q4_K, 6656, 39936, 2)
-    # parts of whole blocks: 104 units (K = 6,656) split in 1 or 2, 312 (19,968) in 1, 2, 3 or 6
+    # parts of whole blocks, at most plan.MMA_MAX_PARTS (8): 104 units (K = 6,656) split in 1 or 2,
+    # 312 (19,968) in 1, 2, 3 or 6
     for k, parts, want in ((6656, 2, 2), (19968, 3, 3), (19968, 4, 6), (19968, 1, 2)):
         p = plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig(mma_parts=parts), "_silu")
         assert p.parts == want and p.memory == plan.MMA_UNIT_BYTES * k // 64 // want + 32, (k, parts, p)
-    assert plan.mma_plan(QT.Q4_K, 6656, 39936, 4, h200, KernelConfig(mma_parts=3)) is None
+    # no count from 3 to 8 splits 6,656's 26 blocks evenly in whole blocks: the fewest that fit (1)
+    assert plan.mma_plan(QT.Q4_K, 6656, 39936, 4, h200, KernelConfig(mma_parts=3)).parts == 1
 
     def launched(config, rows):
         names = []
@@ -277,7 +285,8 @@ def test_tensor_core_knobs_route_the_products():
         gu = mx.ones((rows, 2 * k))
         mx.eval(ops.down_silu(w, Slice(gu, 0, k), Slice(gu, k, k)))
         return names
-    assert launched(KernelConfig(), 4) == ["matvec_mma_silu_q4_k"]
+    assert launched(KernelConfig(mma_silu=1), 4) == ["matvec_mma_silu_q4_k"]
+    assert launched(KernelConfig(), 4) == ["matvec_mma_q4_k"]   # the default: 0
     assert launched(KernelConfig(mma_silu=0), 4) == ["matvec_mma_q4_k"]
     assert launched(KernelConfig(mma_silu=0), 3) == ["matvec_mma_q4_k"]
     # where the tensor cores do not take the product (two rows below mma_pair_min_rows, one row)

@@ -158,6 +158,10 @@ MMA_REGISTERS = {(QT.Q4_K, ""): 78, (QT.Q4_K, "_silu"): 113, (QT.Q6_K, ""): 64, 
 # them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = 12
 SM_THREADS = 2048
+# Parts of K (grid y) at most; each adds B x N partial sums for one more node to add. With
+# KernelConfig.mma_parts = 6 this bound keeps K = 6,656 (26 blocks: 1, 2, 13 or 26 parts) whole:
+# the packed step was measured so (ledger, 2026-12-03, c202a3c); 13 parts there are not measured.
+MMA_MAX_PARTS = 8
 
 
 class MmaPlan(NamedTuple):
@@ -197,7 +201,7 @@ def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int =
 def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig, act: str = "") -> MmaPlan | None:
     """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
     not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
-    fragments that no part count up to 8 fits into threadgroup memory). K is split into the
+    fragments that no part count up to MMA_MAX_PARTS fits into threadgroup memory). K is split into the
     fewest parts (whole blocks each, at least config.mma_parts) whose fragments fit; KW warps share a tile (the config's,
     else mma_split's); the threadgroups fill the multiprocessors as far as their memory,
     threads and registers allow."""
@@ -208,7 +212,8 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     split_regs = whole_regs + MMA_SPLIT_MARGIN
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
-    for parts in range(max(1, config.mma_parts), 9):
+    first = max(1, config.mma_parts)
+    for parts in [*range(first, MMA_MAX_PARTS + 1), *range(1, first)]:   # from config.mma_parts up, else the fewest
         if units % parts or (units // parts) % 4:
             continue
         upp = units // parts

@@ -11,6 +11,7 @@ that launch.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -33,6 +34,10 @@ SHAPES = [("gate|up", QT.Q4_K, 39936, 6656, ""), ("Q|K|gate", QT.Q4_K, 8704, 665
 activation = mx.compile(lambda gu, k: nn.silu(gu[:, :k]) * gu[:, k:])
 
 rows = [int(r) for r in sys.argv[1].split(",")]
+# MUSE_PROBE_MAX_PARTS: a research bound on the parts of K in place of plan.MMA_MAX_PARTS (e.g. 26,
+# so that mma_parts=13 splits K = 6,656 in 13); set before any plan is made
+if os.environ.get("MUSE_PROBE_MAX_PARTS"):
+    plan.MMA_MAX_PARTS = int(os.environ["MUSE_PROBE_MAX_PARTS"])
 if len(sys.argv) > 5:
     SHAPES = [s for s in SHAPES if s[0] in sys.argv[5].split(";")]
 configs = KernelConfig.parse_tagged(sys.argv[2], "configs")

@@ -328,9 +328,10 @@ def test_matvec_stream_rows(qtype, shape, batch, mma):
     """Several rows of x (the packed step over 2..4 slots) on the tensor cores (stream_mma=2; the
     default; at K = 19,968 in two parts of K) and through the streaming kernel with x in
     threadgroup memory (stream_mma=0: at K = 19,968 two rows fit a threadgroup, so 3 and 4 rows
-    take two launches)."""
+    take two launches). The tensor-core cases take every matrix there (mma_pair_min_rows and
+    mma_min_rows 0), in the default's parts of K."""
     n, k = shape
-    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=mma))
+    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=mma, mma_pair_min_rows=0, mma_min_rows=0))
     assert kernels._takes_mma(qtype, k, n, batch) == bool(mma)
     check_matvec("matvec_stream_rows", qtype, n, k, batch, np.random.default_rng([SEED, n, k, batch, int(qtype), 3]),
                  kernels=kernels, stream_mma=mma,
