@@ -50,11 +50,6 @@ class KernelConfig:
         takes the tensor cores; smaller ones keep x_shared (as many rows a launch as
         plan.stream_batch_rows allows); 0 = every matrix. 1,024: V (256 rows) on x_shared, 6.9-8.0
         against 15.1-16.1 us a launch at B = 3-4 (H200, c202a3c, ledger 2026-12-03).
-    mma_silu: where the FFN down product takes the tensor cores, its input silu(gate) * up is made
-        inside the kernel (1: the x_silu_mul prologue, in every threadgroup) or by MLX ops before
-        it, the plain form then taking it (0: one elementwise launch, and the plain form's
-        registers: 21 warps a threadgroup for Q4_K against the silu form's 14). 0: FFN down Q4_K
-        111 -> 62 us, Q6_K 114 -> 96 at B = 4 (c202a3c).
     mma_parts: the fewest parts of K (grid y, each with its own x fragments, their products
         added by one more node) of the tensor-core form, where K's whole blocks split into that
         many or more (up to plan.MMA_MAX_PARTS); else the fewest whose fragments fit threadgroup
@@ -103,7 +98,6 @@ class KernelConfig:
     mma_tile_warps: int = 0
     mma_pair_min_rows: int = 16384
     mma_min_rows: int = 1024
-    mma_silu: int = 0
     mma_parts: int = 6
     prefill_f16: int = 1
     prefill_flash: int = 1
@@ -115,7 +109,7 @@ class KernelConfig:
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
-                  "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24), "mma_silu": (0, 1),
+                  "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
                   "mma_parts": (0, 8),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}

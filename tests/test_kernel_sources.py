@@ -199,8 +199,8 @@ def test_batched_stream_rows_per_pass():
 def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
     of K fit one part up to K = 6,656 (26 warps of 4 units; 16 of 4 at 4,096), the FFN down
-    product's 19,968 takes two parts of 156 units (13 warps for Q4_K's silu form, whose 113
-    registers allow 18, 26 for Q6_K's); threadgroup memory, threads and registers fit a
+    product's 19,968 takes two parts of 156 units (26 warps); threadgroup memory, threads and
+    registers fit a
     multiprocessor (the fewest parts that fit: mma_parts = 0). With the default mma_parts (6),
     19,968 takes six parts of 52 units, 4,096 eight of 8 (no count from 6 up splits 6,656's 26
     blocks into whole blocks, so it keeps one). Metal's plans keep x_shared, and so does
@@ -218,9 +218,10 @@ def test_tensor_core_plans_fit_the_hardware():
             assert p.memory == plan.MMA_UNIT_BYTES * k // 64 // parts + 32
             per_sm = -(-p.groups * p.parts // h200.cores)
             assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
-            assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[QT.Q4_K, ""] <= plan.GROUP_REGISTERS
-            name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, "_silu", k, h200, whole, b, 2 * k)
-            assert name == "matvec_mma_silu_q6_k" and memory == p.memory
+            assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[QT.Q4_K] <= plan.GROUP_REGISTERS
+            name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, h200, whole, b, 2 * k)
+            assert name == "matvec_mma_q6_k" and memory == p.memory
+            assert ("XS", 2 * k) in launch["template"]
             assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
             assert launch["grid"][1] == parts
     assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None
@@ -228,21 +229,20 @@ def test_tensor_core_plans_fit_the_hardware():
     assert Kernels(h200, KernelConfig(mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)  # from 2 rows on
     assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 39936, 2) and not Kernels(h200)._takes_mma(QT.Q4_K, 6656, 8704, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=3))._takes_mma(QT.Q4_K, 6656, 6656, 2)
-    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 3) and Kernels(h200)._takes_mma(QT.Q6_K, 19968, 6656, 4, "_silu")
+    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 3) and Kernels(h200)._takes_mma(QT.Q6_K, 19968, 6656, 4)
     assert Kernels(h200, KernelConfig(stream_mma=2, mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=0))._takes_mma(QT.Q4_K, 6656, 6656, 4)
     # two rows over matrices below mma_pair_min_rows keep x_shared; three rows take the tensor cores
     pair = Kernels(h200, KernelConfig(mma_pair_min_rows=16384))
-    assert not pair._takes_mma(QT.Q4_K, 6656, 8704, 2) and not pair._takes_mma(QT.Q6_K, 19968, 6656, 2, "_silu")
+    assert not pair._takes_mma(QT.Q4_K, 6656, 8704, 2) and not pair._takes_mma(QT.Q6_K, 19968, 6656, 2)
     assert pair._takes_mma(QT.Q4_K, 6656, 39936, 2) and pair._takes_mma(QT.Q4_K, 6656, 16384, 2)
-    assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4, "_silu")
+    assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4)
     # asked-for warps, capped by the registers a multiprocessor holds
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 13
-    assert plan.mma_plan(QT.Q6_K, 19968, 6656, 4, h200, whole, "_silu").warps == 26
-    assert plan.mma_plan(QT.Q4_K, 19968, 6656, 4, h200, whole, "_silu").warps == 13
-    for (qtype, act), regs in plan.MMA_REGISTERS.items():
+    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 26
+    for qtype, regs in plan.MMA_REGISTERS.items():
         for tile_warps in (0, 1, 32):
-            p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps), act)
+            p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps))
             assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
@@ -250,9 +250,10 @@ def test_tensor_core_plans_fit_the_hardware():
 def test_tensor_core_knobs_route_the_products():
     """mma_min_rows keeps matrices below it on x_shared at three and four rows (V's 256 rows) and
     leaves two rows to mma_pair_min_rows; mma_parts splits K into at least that many parts where
-    K's blocks split so (each part's fragments the smaller), else into the fewest that fit; mma_silu = 0 makes the FFN down input with MLX ops and gives
-    it to the plain form, 1 keeps the activation in the kernel. The launches are recorded, not
-    run (a CUDA plan on a CPU machine)."""
+    K's blocks split so (each part's fragments the smaller), else into the fewest that fit. The
+    FFN down product over rows that take the tensor cores gets its input from MLX ops and the
+    plain form; fewer rows keep the activation in the streaming kernel. The launches are
+    recorded, not run (a CUDA plan on a CPU machine)."""
     from muse_mlx.kernels import Kernels
     from muse_mlx.ops.gpu import GpuOps
     from muse_mlx.ops.reference import Matrix, Slice
@@ -266,7 +267,7 @@ def test_tensor_core_knobs_route_the_products():
     # parts of whole blocks, at most plan.MMA_MAX_PARTS (8): 104 units (K = 6,656) split in 1 or 2,
     # 312 (19,968) in 1, 2, 3 or 6
     for k, parts, want in ((6656, 2, 2), (19968, 3, 3), (19968, 4, 6), (19968, 1, 2)):
-        p = plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig(mma_parts=parts), "_silu")
+        p = plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig(mma_parts=parts))
         assert p.parts == want and p.memory == plan.MMA_UNIT_BYTES * k // 64 // want + 32, (k, parts, p)
     # no count from 3 to 8 splits 6,656's 26 blocks evenly in whole blocks: the fewest that fit (1)
     assert plan.mma_plan(QT.Q4_K, 6656, 39936, 4, h200, KernelConfig(mma_parts=3)).parts == 1
@@ -285,28 +286,26 @@ def test_tensor_core_knobs_route_the_products():
         gu = mx.ones((rows, 2 * k))
         mx.eval(ops.down_silu(w, Slice(gu, 0, k), Slice(gu, k, k)))
         return names
-    assert launched(KernelConfig(mma_silu=1), 4) == ["matvec_mma_silu_q4_k"]
-    assert launched(KernelConfig(), 4) == ["matvec_mma_q4_k"]   # the default: 0
-    assert launched(KernelConfig(mma_silu=0), 4) == ["matvec_mma_q4_k"]
-    assert launched(KernelConfig(mma_silu=0), 3) == ["matvec_mma_q4_k"]
-    # where the tensor cores do not take the product (two rows below mma_pair_min_rows, one row)
-    # the activation stays in the streaming kernel whatever mma_silu says
-    assert launched(KernelConfig(mma_silu=0), 2) == ["matvec_stream_shared_silu_q4_k"]
-    assert launched(KernelConfig(mma_silu=0), 1) == ["matvec_stream_silu_q4_k"]
+    assert launched(KernelConfig(), 4) == ["matvec_mma_q4_k"] == launched(KernelConfig(), 3)
+    assert launched(KernelConfig(mma_pair_min_rows=0), 2) == ["matvec_mma_q4_k"]
+    # where the tensor cores do not take the product (two rows below mma_pair_min_rows, one row, or
+    # stream_mma = 0) the activation stays in the streaming kernel
+    assert launched(KernelConfig(), 2) == ["matvec_stream_shared_silu_q4_k"]
+    assert launched(KernelConfig(), 1) == ["matvec_stream_silu_q4_k"]
+    assert launched(KernelConfig(stream_mma=0), 4) == ["matvec_stream_shared_silu_q4_k"] * 2
 
 
-@pytest.mark.parametrize("qtype, n, k, act", [(QT.Q4_K, 39936, 6656, ""), (QT.Q4_K, 8704, 6656, ""),
-                                              (QT.Q4_K, 6656, 4096, ""), (QT.Q6_K, 6656, 19968, "_silu"),
-                                              (QT.Q4_K, 6656, 19968, "_silu"), (QT.Q6_K, 262144, 6656, ""),
-                                              (QT.Q4_K, 5, 256, "")])
-def test_tensor_core_tile_split_fits_and_balances(qtype, n, k, act):
+@pytest.mark.parametrize("qtype, n, k", [(QT.Q4_K, 39936, 6656), (QT.Q4_K, 8704, 6656), (QT.Q4_K, 6656, 4096),
+                                         (QT.Q6_K, 6656, 19968), (QT.Q4_K, 6656, 19968), (QT.Q6_K, 262144, 6656),
+                                         (QT.Q4_K, 5, 256)])
+def test_tensor_core_tile_split_fits_and_balances(qtype, n, k):
     """The plan's split of warps between tiles (KW a tile, NW / KW tiles a round) at the pinned
     shapes: a whole number of tiles a threadgroup, within the registers and memory of one
     multiprocessor, and no busier warp than any other split of at most as many warps, the
     whole-threadgroup split (one tile at a time) included."""
     h200 = Device("cuda", 132, 232448)
-    p = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(), act)
-    limit = min(plan.MMA_MAX_WARPS, plan.GROUP_REGISTERS // (32 * plan.MMA_REGISTERS[qtype, act]))
+    p = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig())
+    limit = min(plan.MMA_MAX_WARPS, plan.GROUP_REGISTERS // (32 * plan.MMA_REGISTERS[qtype]))
     assert p.warps % p.tile_warps == 0 and p.warps <= limit
     assert p.memory + plan.MMA_WARP_BYTES * p.warps <= h200.group_memory
     tiles, units, groups = -(-n // 16), k // 64 // p.parts, h200.cores // p.parts
@@ -317,10 +316,10 @@ def test_tensor_core_tile_split_fits_and_balances(qtype, n, k, act):
     best = busiest(p.warps, p.tile_warps)
     # split forms carry the register margin (their registers were not read by ncu) and their
     # fragments and buffers share the multiprocessor's memory
-    room = min(limit, plan.GROUP_REGISTERS // (32 * (plan.MMA_REGISTERS[qtype, act] + plan.MMA_SPLIT_MARGIN)),
+    room = min(limit, plan.GROUP_REGISTERS // (32 * (plan.MMA_REGISTERS[qtype] + plan.MMA_SPLIT_MARGIN)),
                (h200.group_memory - p.memory) // plan.MMA_WARP_BYTES)
     assert all(best <= busiest(nw, kw) for kw in range(1, room + 1) for nw in range(kw, room + 1, kw))
-    whole = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_tile_warps=32), act)
+    whole = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_tile_warps=32))
     assert best <= busiest(whole.warps, whole.warps)
 
 
@@ -335,7 +334,7 @@ def test_kernel_config_parses_and_rejects():
                           ("stream_batch_rf=8", "0..4"), ("stream_mma=1", "0 \\(never\\)"),
                           ("stream_mma=5", "0..4"), ("mma_warps=33", "0..32"),
                           ("mma_pair_min_rows=-1", "0..16777216"), ("mma_min_rows=-1", "0..16777216"),
-                          ("mma_silu=2", "0..1"), ("mma_parts=9", "0..8")]:
+                          ("mma_parts=9", "0..8")]:
         with pytest.raises(MuseError, match=fragment):
             KernelConfig.parse(bad)
 

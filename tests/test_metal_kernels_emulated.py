@@ -98,21 +98,26 @@ def test_tensor_core_matvec(qtype, b, n, k):
     rng = np.random.default_rng([b, n, k, int(qtype), 21])
     w = random_blocks(n, k, qtype, rng)
     x = (rng.standard_normal((b, k)) * np.exp(rng.uniform(-6, 6, (b, 1)))).astype(np.float32)
-    out = np.array(kernels.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
+    out = np.array(kernels.matvec_mma(mx.array(w), qtype, mx.array(x), init_value=NAN))
     W = dense(w, qtype, n, k)
     assert out.shape == (b, n) and np.isfinite(out).all()
     assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-def test_tensor_core_matvec_silu_in_parts(qtype):
-    """The FFN down form of the tensor-core kernel with K in parts (grid y: Metal's 32 KB of
-    threadgroup memory holds 2,048 values' fragments only in four), their products added."""
+def test_tensor_core_matvec_in_parts(qtype):
+    """The tensor-core form with K in parts (grid y: Metal's 32 KB of threadgroup memory holds
+    2,048 values' fragments only in four; mma_parts=5 splits 5,120's 80 units in five of 16 on a
+    device with room for them whole), their products added, against float64."""
     kernels = emulated_kernels(KernelConfig(stream_groups=2))
-    n, k, b = 21, 2048, 3
-    assert plan.mma_plan(qtype, k, n, b, kernels.device, kernels.config).parts > 1
-    check_silu_rows(lambda w, gu: kernels.matvec_mma(w, qtype, [gu, gu], up_offset=k, init_value=NAN),
-                    qtype, n, k, b, 22)
+    assert plan.mma_plan(qtype, 2048, 21, 3, kernels.device, kernels.config).parts > 1
+    check_mma_against_float64(kernels, qtype, 21, 2048, 3)
+    from muse_mlx.kernels import Device, Kernels
+    from metal_emulator import EmulatedKernel
+    six = Kernels(Device("metal", 4, 1 << 20), KernelConfig(stream_groups=2, mma_parts=5),
+                  build=lambda name, which, shared: EmulatedKernel(name))
+    assert plan.mma_plan(qtype, 5120, 21, 2, six.device, six.config).parts == 5
+    check_mma_against_float64(six, qtype, 21, 5120, 2)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -135,7 +140,7 @@ def check_mma_against_float64(kernels, qtype, n, k, rows):
     rng = np.random.default_rng([n, k, int(qtype), 24])
     w = random_blocks(n, k, qtype, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    out = np.array(kernels.matvec_mma(mx.array(w), qtype, [mx.array(x)], init_value=NAN))
+    out = np.array(kernels.matvec_mma(mx.array(w), qtype, mx.array(x), init_value=NAN))
     W = dense(w, qtype, n, k)
     assert np.isfinite(out).all()
     assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
@@ -166,7 +171,7 @@ def test_tensor_core_matvec_carries_non_finite_x():
     w = random_blocks(16, 256, QT.Q4_K, rng)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     x[0, 7], x[1, 200] = np.inf, np.nan
-    out = np.array(kernels.matvec_mma(mx.array(w), QT.Q4_K, [mx.array(x)], init_value=0.0))
+    out = np.array(kernels.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=0.0))
     assert not np.isfinite(out[0]).any() and not np.isfinite(out[1]).any()
 
 

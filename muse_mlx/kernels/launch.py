@@ -60,7 +60,7 @@ class Kernels:
         x = x.astype(mx.float32)
         N = w.shape[0]
         if B > 1 and self._takes_mma(qtype, K, N, B):
-            return self.matvec_mma(w, qtype, [x], init_value=init_value)
+            return self.matvec_mma(w, qtype, x, init_value=init_value)
         if plan.streams(qtype, K) and (B == 1 or plan.stream_batch_rows(K, self.device, self.config)):
             return self._stream(w, qtype, K, N, "", [x], 0, init_value)
         name, launch = plan.batch_launch(qtype, K, N, B)
@@ -70,29 +70,25 @@ class Kernels:
         weights = w.view(plan.FLOAT_DTYPES[qtype]).reshape(N, K)
         return self.kernel(name)(inputs=[weights, x], init_value=init_value, **launch)[0]
 
-    def _takes_mma(self, qtype: QT, K: int, N: int, B: int, act: str = "") -> bool:
+    def _takes_mma(self, qtype: QT, K: int, N: int, B: int) -> bool:
         """Whether B > 1 rows take the tensor-core form: on CUDA, from config.stream_mma rows on, where it
         applies (over matrices of config.mma_pair_min_rows rows or more with two rows of x, of
         config.mma_min_rows or more with three or four)."""
         config = self.config
         return (self.device.backend == "cuda" and 2 <= config.stream_mma <= B
                 and N >= (config.mma_pair_min_rows if B == 2 else config.mma_min_rows)
-                and plan.mma_plan(qtype, K, N, B, self.device, self.config, act) is not None)
+                and plan.mma_plan(qtype, K, N, B, self.device, self.config) is not None)
 
-    def matvec_mma(self, w: mx.array, qtype: QT, xs: list[mx.array], up_offset: int = 0,
-                   init_value: float | None = None) -> mx.array:
-        """The tensor-core form (matvec_stream.inc, mma_*) over 1..4 rows of x, on any backend
-        (Metal runs it through a slow stand-in for the mma; its plans choose x_shared): xs = [x]
-        (B, K), or [gate, up] for W @ (silu(gate) * up) as matvec_silu. -> (B, N) float32."""
+    def matvec_mma(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None) -> mx.array:
+        """The tensor-core form (matvec_stream.inc, mma_*) over 1..4 rows of x (B, S), each row's K
+        values from its start, on any backend (Metal runs it through a slow stand-in for the mma;
+        its plans choose x_shared). -> (B, N) float32."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
-        B, stride = xs[0].shape
-        act = "_silu" if len(xs) == 2 else ""
-        if plan.mma_plan(qtype, K, w.shape[0], B, self.device, self.config, act) is None:
+        B, stride = x.shape
+        if plan.mma_plan(qtype, K, w.shape[0], B, self.device, self.config) is None:
             raise ValueError(f"the tensor-core matvec does not take {qtype.name} with K = {K} and {B} rows")
-        name, memory, launch = plan.mma_launch(qtype, K, w.shape[0], act, up_offset, self.device, self.config, B,
-                                               stride)
-        xs = [a.astype(mx.float32) for a in xs]
-        y = self.kernel(name, memory)(inputs=[w, *xs], init_value=init_value, **launch)[0]
+        name, memory, launch = plan.mma_launch(qtype, K, w.shape[0], self.device, self.config, B, stride)
+        y = self.kernel(name, memory)(inputs=[w, x.astype(mx.float32)], init_value=init_value, **launch)[0]
         return y if y.ndim == 2 else y.sum(axis=0)
 
     def dequantize(self, w: mx.array, qtype: QT, K: int, init_value: float | None = None) -> mx.array:
@@ -103,15 +99,20 @@ class Kernels:
 
     def matvec_silu(self, w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset: int = 0,
                     init_value: float | None = None) -> mx.array:
-        """W @ (silu(gate) * up) for B token rows, the activation made inside the streaming kernel
-        (plan.streams(qtype, K) must hold, and for B > 1 stream_batch_rows(K) >= 2). gate, up:
-        (B, S) float32 of one row stride S; per row, gate's K values from its start and up's
-        from `up_offset` (pass one stacked gate|up output as both, up_offset = K). -> (B, N)."""
+        """W @ (silu(gate) * up) for B token rows (plan.streams(qtype, K) must hold, and for B > 1
+        stream_batch_rows(K) >= 2). gate, up: (B, S) float32 of one row stride S; per row, gate's
+        K values from its start and up's from `up_offset` (pass one stacked gate|up output as
+        both, up_offset = K). -> (B, N).
+        The streaming kernels make the activation in their prologue. Rows that take the tensor
+        cores get it from MLX ops first (one fused launch in a compiled step) and the plain form:
+        made inside that kernel, every threadgroup made it twice and the form's registers held it
+        to fewer warps (at B = 4 FFN down Q4_K 111 against 62 µs; H200, c202a3c, ledger)."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         if gate.shape != up.shape:
             raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
-        if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0], "_silu"):
-            return self.matvec_mma(w, qtype, [gate, up], up_offset, init_value)
+        if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
+            g, u = gate[:, :K], up[:, up_offset:up_offset + K]
+            return self.matvec_mma(w, qtype, g * mx.sigmoid(g) * u, init_value)
         return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
 
     def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,

@@ -150,10 +150,10 @@ MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
 # Warps a threadgroup at most: 26 against 13 took gate|up from 0.159 to 0.116 ms at B = 4, the
 # LM head's rows and FFN down (Q6_K) by 16-19 % (H200, 4509bef, ledger): more loads in flight.
 MMA_MAX_WARPS = 32
-# Registers a thread by (type, form), MLX's NVRTC builds on the H200 (ncu, 4509bef: 48-78 and 113,
-# the largest of each form's builds; local nvcc gave the silu Q4_K form 91). A threadgroup's
-# warps are capped so that they fit GROUP_REGISTERS (MLX launches without launch bounds).
-MMA_REGISTERS = {(QT.Q4_K, ""): 78, (QT.Q4_K, "_silu"): 113, (QT.Q6_K, ""): 64, (QT.Q6_K, "_silu"): 72}
+# Registers a thread by type, MLX's NVRTC builds on the H200 (ncu, 4509bef: 48-78, the largest of
+# each type's builds). A threadgroup's warps are capped so that they fit GROUP_REGISTERS (MLX
+# launches without launch bounds).
+MMA_REGISTERS = {QT.Q4_K: 78, QT.Q6_K: 64}
 # The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
 # them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = 12
@@ -198,7 +198,7 @@ def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int =
 
 
 @lru_cache(maxsize=None)
-def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig, act: str = "") -> MmaPlan | None:
+def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig) -> MmaPlan | None:
     """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
     not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
     fragments that no part count up to MMA_MAX_PARTS fits into threadgroup memory). K is split into the
@@ -208,7 +208,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    whole_regs = MMA_REGISTERS[qtype, act]
+    whole_regs = MMA_REGISTERS[qtype]
     split_regs = whole_regs + MMA_SPLIT_MARGIN
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
@@ -244,16 +244,15 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
 
 
 @lru_cache(maxsize=None)
-def mma_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: Device, config: KernelConfig,
-               B: int, row_stride: int = 0) -> tuple[str, int, dict]:
+def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, B: int,
+               row_stride: int = 0) -> tuple[str, int, dict]:
     """(kernel name, its threadgroup memory in bytes, launch keywords) of the tensor-core form over
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
-    p = mma_plan(qtype, K, N, B, device, config, act)
+    p = mma_plan(qtype, K, N, B, device, config)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
-    template += [("UP_OFF", up_offset)] if act else []
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    return f"matvec_mma{act}_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
+    return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 

@@ -39,10 +39,10 @@ KERNELS = {
        for where, keep in (("", "registers"), ("_shared", "shared"))
        for v in STREAM_FORMATS},
     # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
-    # mma.m16n8k16, x's fragments in threadgroup memory; _silu as above
-    **{f"matvec_mma{act}_{v}": ("matvec_stream", [xs, f"mma_{v}", "mma_prologue", f"mma_{v}_unit", "mma_close"],
-                                ["w", *inputs], ["y"])
-       for act, xs, inputs in (("", "x_plain", ["x"]), ("_silu", "x_silu_mul", ["gate", "up"]))
+    # mma.m16n8k16, x's fragments in threadgroup memory (the FFN down input is made before it:
+    # launch.Kernels.matvec_silu)
+    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", f"mma_{v}_unit", "mma_close"],
+                           ["w", "x"], ["y"])
        for v in STREAM_FORMATS},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},

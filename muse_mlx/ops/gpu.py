@@ -294,9 +294,6 @@ class GpuOps(ReferenceOps):
     def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
         rows = gate.array.shape[0]
         kernels = self.kernels
-        if (not kernels.config.mma_silu and w.raw and 1 < rows <= kplan.MAX_BATCH
-                and kernels._takes_mma(w.qtype, w.n_in, w.n_out, rows)):
-            return super().down_silu(w, gate, up)   # the activation by MLX ops, the plain tensor-core form
         if (w.raw and gate.offset == 0 and gate.array.shape == up.array.shape and kplan.streams(w.qtype, w.n_in)
                 and (rows == 1 or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
                 and rows <= kplan.MAX_BATCH):

@@ -5,9 +5,9 @@ Prints ms a launch and writes a receipt to argv[3]. Synthetic weights: gguf-py-v
 Under `ncu -k regex:matvec` the same launches give the kernels' counters.
 Usage (on the device): python scripts/device/probe_mma.py 2,4 "m16:stream_mma=2;m32:stream_mma=2,mma_warps=32" out.json [ITERS [SHAPES]]
 (SHAPES: names of SHAPES, ";"-separated, e.g. "down Q6_K;LM head part"; all when absent)
-The "plain" FFN down shapes make silu(gate) * up with MLX ops (one compiled elementwise launch,
-as KernelConfig.mma_silu = 0 does in the step) and give it to the plain form; their times include
-that launch.
+The FFN down shapes ("_silu") are timed as the step calls them (Kernels.matvec_silu: where the
+tensor cores take the rows, silu(gate) * up by MLX ops, then the plain form; the times include
+that launch).
 """
 
 import json
@@ -16,7 +16,6 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -29,9 +28,7 @@ ITERS = int(sys.argv[4]) if len(sys.argv) > 4 else 20   # launches a sample
 SHAPES = [("gate|up", QT.Q4_K, 39936, 6656, ""), ("Q|K|gate", QT.Q4_K, 8704, 6656, ""),
           ("o_proj", QT.Q4_K, 6656, 4096, ""), ("down Q6_K", QT.Q6_K, 6656, 19968, "_silu"),
           ("down Q4_K", QT.Q4_K, 6656, 19968, "_silu"), ("LM head part", QT.Q6_K, 50000, 6656, ""),
-          ("down Q6_K plain", QT.Q6_K, 6656, 19968, "plain"), ("down Q4_K plain", QT.Q4_K, 6656, 19968, "plain"),
           ("V", QT.Q6_K, 256, 6656, "")]
-activation = mx.compile(lambda gu, k: nn.silu(gu[:, :k]) * gu[:, k:])
 
 rows = [int(r) for r in sys.argv[1].split(",")]
 # MUSE_PROBE_MAX_PARTS: a research bound on the parts of K in place of plan.MMA_MAX_PARTS (e.g. 26,
@@ -49,9 +46,7 @@ for name, qtype, n, k, act in SHAPES:
         xs = [mx.array(rng.standard_normal((b, 2 * k if act else k)).astype(np.float32))]
         for tag, config in configs:
             kernels = Kernels(gpu_device(), config)
-            if act == "plain":
-                run = lambda: kernels.matvec(w, qtype, activation(xs[0], k))
-            elif act:
+            if act:
                 run = lambda: kernels.matvec_silu(w, qtype, xs[0], xs[0], up_offset=k)
             else:
                 run = lambda: kernels.matvec(w, qtype, xs[0])
@@ -68,8 +63,7 @@ for name, qtype, n, k, act in SHAPES:
                 continue
             print(f"{name} B={b} [{tag}]: {min(samples):.4f} ms a launch ({', '.join(f'{s:.4f}' for s in samples)})",
                   flush=True)
-            form = "" if act == "plain" else act
-            p = plan.mma_plan(qtype, k, n, b, kernels.device, config, form) if kernels._takes_mma(qtype, k, n, b, form) else None
+            p = plan.mma_plan(qtype, k, n, b, kernels.device, config) if kernels._takes_mma(qtype, k, n, b) else None
             cells.append(dict(product=name, qtype=qtype.name, n=n, k=k, act=act, rows=b, config=tag,
                               plan=p._asdict() if p else "x_shared", ms=samples))
 receipt = make_receipt("probe_mma", inputs=dict(rows=rows, configs=sys.argv[2], iters=ITERS, synthetic=True),
