@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 from gguf import GGMLQuantizationType as QT
 
 from ..config import KernelConfig
@@ -112,7 +113,7 @@ class Kernels:
             raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
         if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
             g, u = gate[:, :K], up[:, up_offset:up_offset + K]
-            return self.matvec_mma(w, qtype, g * mx.sigmoid(g) * u, init_value)
+            return self.matvec_mma(w, qtype, nn.silu(g) * u, init_value)
         return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
 
     def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,

@@ -201,9 +201,9 @@ def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int =
 def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelConfig) -> MmaPlan | None:
     """The tensor-core form's launch for B rows of x over an (N, K) matrix, or None where it does
     not apply (another type, more than MMA_MAX_ROWS rows, K not whole 256-value blocks, or
-    fragments that no part count up to MMA_MAX_PARTS fits into threadgroup memory). K is split into the
-    fewest parts (whole blocks each, at least config.mma_parts) whose fragments fit; KW warps share a tile (the config's,
-    else mma_split's); the threadgroups fill the multiprocessors as far as their memory,
+    fragments that no part count up to MMA_MAX_PARTS fits into threadgroup memory). K is split into
+    parts of whole blocks: the fewest from config.mma_parts up whose fragments fit, else the fewest
+    below it; KW warps share a tile (the config's, else mma_split's); the threadgroups fill the multiprocessors as far as their memory,
     threads and registers allow."""
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None

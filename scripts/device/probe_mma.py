@@ -13,7 +13,6 @@ that launch).
 import json
 import os
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from muse_mlx.config import KernelConfig
 from muse_mlx.kernels import Kernels, gpu_device, plan
+from muse_mlx.tools.bench import eval_ms
 from muse_mlx.tools.fixtures import random_blocks
 from muse_mlx.tools.receipts import make_receipt
 
@@ -51,12 +51,7 @@ for name, qtype, n, k, act in SHAPES:
             else:
                 run = lambda: kernels.matvec(w, qtype, xs[0])
             try:
-                mx.eval(run())
-                samples = []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    mx.eval([run() for _ in range(ITERS)])
-                    samples.append((time.perf_counter() - t) / ITERS * 1e3)
+                samples = [ms / ITERS for ms in eval_ms(lambda: [run() for _ in range(ITERS)], reps=3, warmup=1)]
             except Exception as exc:   # a launch the device refuses (registers) is a result too
                 print(f"{name} B={b} [{tag}]: failed: {exc}", flush=True)
                 cells.append(dict(product=name, rows=b, config=tag, error=str(exc)))

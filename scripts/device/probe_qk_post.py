@@ -6,13 +6,13 @@ Usage (on the device): python scripts/device/probe_qk_post.py OUT.json [ITERS]
 """
 
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from muse_mlx.config import KernelConfig
 from muse_mlx.kernels import Kernels, gpu_device
+from muse_mlx.tools.bench import eval_ms
 from muse_mlx.tools.receipts import make_receipt, write_receipt
 
 ITERS = int(sys.argv[2]) if len(sys.argv) > 2 else 50
@@ -25,13 +25,8 @@ cells = []
 
 
 def timed(run) -> list[float]:
-    mx.eval(run())
-    samples = []
-    for _ in range(3):
-        t = time.perf_counter()
-        mx.eval([run() for _ in range(ITERS)])
-        samples.append((time.perf_counter() - t) / ITERS * 1e3)
-    return samples
+    """ms a launch: ITERS launches evaluated together, three times after one such warm-up."""
+    return [ms / ITERS for ms in eval_ms(lambda: [run() for _ in range(ITERS)], reps=3, warmup=1)]
 
 
 for rows in (1, 2, 3, 4):
