@@ -65,8 +65,8 @@ class FakeNvrtc:
 
 def _note(cache, n):
     x = mx.zeros((1, n))
-    cache.note("muse_residual_norm", *source.texts("residual_norm", "cuda"), ["x", "f", "w_post", "w_next", "eps"],
-               [x, x, mx.zeros((n,)), mx.zeros((n,)), mx.zeros((2,))], ["x_out", "h"], [mx.float32, mx.float32],
+    cache.note("muse_residual_norm", *source.texts("residual_norm", "cuda"), ["x", "f", "w_post", "w_next"],
+               [x, x, mx.zeros((n,)), mx.zeros((n,))], ["x_out", "h"], [mx.float32, mx.float32],
                [("N", n), ("TPG", n)])
 
 

@@ -32,7 +32,7 @@ from reference import F16_EPS, ReferenceModel, log_softmax, within_precision_noi
 
 
 def rms_norm(x, w, eps):
-    """RMSNorm with eps an array element: traceable by mx.compile (no .item())."""
+    """RMSNorm (eps a float, as the kernels take it)."""
     return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
@@ -80,8 +80,8 @@ class StandIns(Kernels):
             x0, x1 = x[..., 0:2 * rope_half:2], x[..., 1:2 * rope_half:2]
             pairs = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(rows, x.shape[1], 2 * rope_half)
             return mx.concatenate([pairs, x[..., 2 * rope_half:]], axis=-1)
-        qn = rotate(rms_norm(part(q, offsets[0], n_head), q_norm, eps[0]))
-        kn = rotate(rms_norm(part(k, offsets[1], n_kv), k_norm, eps[0]))
+        qn = rotate(rms_norm(part(q, offsets[0], n_head), q_norm, eps))
+        kn = rotate(rms_norm(part(k, offsets[1], n_kv), k_norm, eps))
         return qn, kn.transpose(1, 0, 2).astype(mx.float16), part(v, offsets[2], n_kv).transpose(1, 0, 2).astype(mx.float16)
 
     def decode_attention(self, q, keys, values, params, chunk, splits, gate=None, gate_offset=0, out_shape=None,
@@ -114,10 +114,10 @@ class StandIns(Kernels):
             return attention(q, keys, values, np.array(q_pos), np.array(k_pos), window, q.shape[-1] ** -0.5)
         return emulated_kernels().prefill_attention(q, keys, values, q_pos, k_pos, window, init_value)
 
-    def residual_norm(self, x, f, w_post, w_next, eps, init_value=None):
+    def residual_norm(self, x, f, w_post, w_next, eps_post, eps_next, init_value=None):
         self.glue_rows.append(x.shape[0])
-        x_out = x + rms_norm(f, w_post, eps[0])
-        return x_out, rms_norm(x_out, w_next, eps[1])
+        x_out = x + rms_norm(f, w_post, eps_post)
+        return x_out, rms_norm(x_out, w_next, eps_next)
 
 
 def run(path, tokens, prefill, ops, chunk=100):

@@ -134,9 +134,26 @@ def test_tensor_core_matvec_many_warps(qtype):
         check_mma_against_float64(big, qtype, n, k, 4)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_tensor_core_matvec_live_loads(qtype):
+    """mma_loads=1 (every unrolled step loads; a dead step re-reads a live unit and weighs zero):
+    three warps a tile over 40 units (14 each: the last warp's two last steps dead) and tiles
+    past the matrix's 21 rows (dead slots), against float64 and bit-equal to mma_loads=0."""
+    from muse_mlx.kernels import Device, Kernels
+    from metal_emulator import EmulatedKernel
+    made = {}
+    for loads in (0, 1):
+        made[loads] = Kernels(Device("metal", 4, 1 << 20), KernelConfig(stream_groups=2, mma_tile_warps=3, mma_loads=loads),
+                              build=lambda name, which, shared: EmulatedKernel(name))
+    p = plan.mma_plan(qtype, 2560, 21, 3, made[1].device, made[1].config)
+    assert p.tile_warps == 3 and p.parts == 1 and -(-40 // 3) * 3 > 40 and p.warps // 3 * p.groups * 16 > 21
+    out = check_mma_against_float64(made[1], qtype, 21, 2560, 3)
+    assert np.array_equal(out, check_mma_against_float64(made[0], qtype, 21, 2560, 3))
+
+
 def check_mma_against_float64(kernels, qtype, n, k, rows):
     """The tensor-core form over `rows` rows of x on random blocks: finite, within 1e-6 of the
-    terms' magnitudes of the float64 product."""
+    terms' magnitudes of the float64 product (returned)."""
     rng = np.random.default_rng([n, k, int(qtype), 24])
     w = random_blocks(n, k, qtype, rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -144,6 +161,7 @@ def check_mma_against_float64(kernels, qtype, n, k, rows):
     W = dense(w, qtype, n, k)
     assert np.isfinite(out).all()
     assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+    return out
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -354,8 +372,7 @@ def test_qk_post(metal, rope_half, rows):
     angles = rng.uniform(0, 6, (rows, max(rope_half, 1))).astype(np.float64)
     rope = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
     q_out, k_out, v_out = metal.qk_post(mx.array(stacked), mx.array(stacked), mx.array(v), mx.array(q_norm),
-                                        mx.array(k_norm), mx.array(rope), rope_half,
-                                        mx.array([eps], dtype=mx.float32), n_head, n_kv, hd,
+                                        mx.array(k_norm), mx.array(rope), rope_half, eps, n_head, n_kv, hd,
                                         offsets=(0, n_head * hd, 0), init_value=NAN)
     for r in range(rows):
         s = stacked[r].astype(np.float64)
@@ -381,8 +398,7 @@ def test_residual_norm(metal, rows):
     rng = np.random.default_rng([8, rows])
     x, f = (rng.standard_normal((rows, n)).astype(np.float32) for _ in range(2))
     w_post, w_next = (rng.uniform(0.5, 1.5, n).astype(np.float32) for _ in range(2))
-    eps = np.array([1e-8, 1e-6], np.float32)
-    x_out, h = metal.residual_norm(*(mx.array(a) for a in (x, f, w_post, w_next, eps)), init_value=NAN)
+    x_out, h = metal.residual_norm(*(mx.array(a) for a in (x, f, w_post, w_next)), 1e-8, 1e-6, init_value=NAN)
     x_ref = x.astype(np.float64) + rms(f.astype(np.float64), 1e-8) * w_post
     h_ref = rms(x_ref, 1e-6) * w_next
     assert np.abs(np.array(x_out) - x_ref).max() < 1e-5

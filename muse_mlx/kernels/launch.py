@@ -11,11 +11,21 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ..config import KernelConfig
 from . import plan, source
 from .device import Device
+
+
+def float_bits(value: float) -> int:
+    """The bits of a non-negative float32 as a template constant (a kernel reads them back with
+    BITS_TO_FLOAT): constants such as an epsilon cost no memory read."""
+    bits = int(np.float32(value).view(np.uint32))
+    if not 0 <= bits < 0x7F800000:
+        raise ValueError(f"{value!r} is not a finite non-negative float32")
+    return bits
 
 
 class Kernels:
@@ -194,34 +204,37 @@ class Kernels:
     # ---- the steps between the products (decode_glue.inc) ----
 
     def qk_post(self, q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,
-                rope_half: int, eps: mx.array, n_head: int, n_kv: int, head_dim: int, offsets: tuple = (0, 0, 0),
+                rope_half: int, eps: float, n_head: int, n_kv: int, head_dim: int, offsets: tuple = (0, 0, 0),
                 init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """R token rows of q, k, v (f32, each (R, row width)) -> q normed and rotated (R, n_head, hd)
         f32, k and v (n_kv, R, hd) f16 (the cache's layout).
 
         q, k and v are read from `offsets` within each row of their arrays (pass one stacked
         Q|K|gate|V output as each). `rope`: (R, 2*rope_half) cos then sin of each row's angles,
-        unused when rope_half is 0 (NoPE); `eps` a 1-element f32 array (the RMSNorm epsilon)."""
+        unused when rope_half is 0 (NoPE); `eps` the RMSNorm epsilon, compiled into the kernel as its
+        float32 bits (a 1-element array here was a read of small host-made memory by every threadgroup)."""
         rows = q.shape[0]
         tpg = -(-head_dim // 32) * 32
         q_off, k_off, v_off = offsets
         return tuple(self.kernel("qk_post")(
-            inputs=[q, k, v, q_norm, k_norm, rope, eps],
+            inputs=[q, k, v, q_norm, k_norm, rope],
             template=[("HD", head_dim), ("NH", n_head), ("NKV", n_kv), ("ROPE_HALF", rope_half), ("TPG", tpg),
                       ("Q_OFF", q_off), ("K_OFF", k_off), ("V_OFF", v_off),
-                      ("QS", q.shape[-1]), ("KS", k.shape[-1]), ("VS", v.shape[-1]), ("ROWS", rows)],
+                      ("QS", q.shape[-1]), ("KS", k.shape[-1]), ("VS", v.shape[-1]), ("ROWS", rows),
+                      ("EPS", float_bits(eps))],
             grid=((n_head + 2 * n_kv) * tpg, rows, 1), threadgroup=(tpg, 1, 1),
             output_shapes=[(rows, n_head, head_dim), (n_kv, rows, head_dim), (n_kv, rows, head_dim)],
             output_dtypes=[mx.float32, mx.float16, mx.float16], init_value=init_value, stream=mx.gpu))
 
-    def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps: mx.array,
-                      init_value: float | None = None) -> tuple[mx.array, mx.array]:
-        """Per row of x, f (R, N) f32: r = x + rmsnorm(f, eps[0]) * w_post, h = rmsnorm(r, eps[1]) * w_next
-        -> (r, h)."""
+    def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps_post: float,
+                      eps_next: float, init_value: float | None = None) -> tuple[mx.array, mx.array]:
+        """Per row of x, f (R, N) f32: r = x + rmsnorm(f, eps_post) * w_post, h = rmsnorm(r, eps_next) * w_next
+        -> (r, h). The epsilons are compiled into the kernel (as qk_post's)."""
         rows, n = x.shape
         tpg = min(1024, -(-n // 32) * 32)
         x_out, h = self.kernel("residual_norm")(
-            inputs=[x, f, w_post, w_next, eps], template=[("N", n), ("TPG", tpg)],
+            inputs=[x, f, w_post, w_next],
+            template=[("N", n), ("TPG", tpg), ("EPS_POST", float_bits(eps_post)), ("EPS_NEXT", float_bits(eps_next))],
             grid=(tpg, rows, 1), threadgroup=(tpg, 1, 1), output_shapes=[(rows, n), (rows, n)],
             output_dtypes=[mx.float32, mx.float32], init_value=init_value, stream=mx.gpu)
         return x_out, h

@@ -250,7 +250,7 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
     p = mma_plan(qtype, K, N, B, device, config)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
-                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
+                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype]), ("LIVE_LOADS", config.mma_loads)]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
     return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
@@ -304,14 +304,15 @@ def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.
     return mx.array([n_valid, splits, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
 
 
-def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> mx.array:
-    """attention_params of several sequences sharing one split count, one row each: (S, 8) int32."""
+def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> np.ndarray:
+    """attention_params of several sequences sharing one split count, one row each: (S, 8) int32
+    (host memory: the decode step uploads it with its other per-token arrays)."""
     rows = np.zeros((len(n_valids), 8), dtype=np.int32)
     for row, n_valid in zip(rows, n_valids):
         if splits * chunk < n_valid:
             raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")
         row[:2] = n_valid, splits
-    return mx.array(rows)
+    return rows
 
 
 def attention_splits(n_valid: int, chunk: int, capacity: int) -> int:

@@ -65,9 +65,9 @@ KERNELS = {
     "attention_prefill": ("prefill_attention", ["flash"], ["q", "keys", "values", "q_pos", "k_pos", "params"],
                           ["out"]),
     # decode_glue.inc: the steps between the products
-    "qk_post": ("decode_glue", ["qk_post"], ["q", "k", "v", "q_norm", "k_norm", "rope", "eps"],
+    "qk_post": ("decode_glue", ["qk_post"], ["q", "k", "v", "q_norm", "k_norm", "rope"],
                 ["q_out", "k_out", "v_out"]),
-    "residual_norm": ("decode_glue", ["residual_norm"], ["x", "f", "w_post", "w_next", "eps"], ["x_out", "h"]),
+    "residual_norm": ("decode_glue", ["residual_norm"], ["x", "f", "w_post", "w_next"], ["x_out", "h"]),
 }
 
 

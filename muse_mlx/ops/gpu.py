@@ -38,22 +38,40 @@ class DecodePlan(NamedTuple):
     """What the compiled decode step over B sequences needs from the host for one token.
 
     key: the trace key (B; per sequence, the group of each layer; per group, the attention's
-    rows per split and split count, trace constants); arrays: per sequence and group, the row
-    to write (int32 shaped like a row of K: put_along_axis's indices), then per group the
-    attention parameters of the B sequences (plan.attention_params_rows, (B, 8)), then every
-    cache's storage (SlotCache.state order)."""
+    rows per split and split count, trace constants); rope: cos|sin of each sequence's angles (B,
+    rope width); arrays: per sequence and group, the row to write (int32 shaped like a row of K:
+    put_along_axis's indices), then per group the attention parameters of the B sequences
+    (plan.attention_params_rows, (B, 8)), then every cache's storage (SlotCache.state order).
+    rope, the rows and the parameters are views of one array uploaded for the token
+    (one_upload)."""
     key: tuple
+    rope: mx.array
     arrays: list
     compiled: bool = True
 
 
-def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
-    """The next token's DecodePlan. Layers whose storage has one kind and capacity (the rings;
-    the planes) form a group that shares a row index and a parameter array; a group's split
-    count is the largest any sequence needs (the others' extra splits weigh zero), rounded
-    up (plan.attention_splits) so that one trace serves many tokens. The layers of one cache
-    are at one offset, so each group's first layer speaks for the group (this runs once a
-    token: a loop over groups, not over the layers)."""
+def one_upload(pieces: list[np.ndarray]) -> list[mx.array]:
+    """Host arrays of 4-byte int32 / float32 items -> MLX arrays of the same shapes and dtypes,
+    views of one array made from the host. On CUDA MLX puts every host-made array in managed
+    memory, which the GPU's first read migrates (a page fault in the middle of the step): one
+    array a token is one such read, where an array a piece was 2B + 3 of them."""
+    flat = np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.int32) for p in pieces])
+    whole = mx.array(flat)
+    out, at = [], 0
+    for p in pieces:
+        a = whole[at:at + p.size].reshape(p.shape)
+        out.append(a.view(mx.float32) if p.dtype == np.float32 else a)
+        at += p.size
+    return out
+
+
+def decode_plan(caches: list[SlotCache], kernels: Kernels, rope_rows: np.ndarray) -> DecodePlan:
+    """The next token's DecodePlan (rope_rows: the sequences' cos|sin rows, float32). Layers whose
+    storage has one kind and capacity (the rings; the planes) form a group that shares a row index
+    and a parameter array; a group's split count is the largest any sequence needs (the others'
+    extra splits weigh zero), rounded up (plan.attention_splits) so that one trace serves many
+    tokens. The layers of one cache are at one offset, so each group's first layer speaks for the
+    group (this runs once a token: a loop over groups, not over the layers)."""
     config = kernels.config
     groups: dict[tuple, int] = {}
     layer_groups, firsts = [], []   # per cache: the group of each layer; group -> its first layer
@@ -66,18 +84,19 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
     n_valid = [{gi: min(layer.offset + 1, layer.capacity) for gi, layer in first.items()} for first in firsts]
     splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
                    for gi in range(len(kinds)))
-    arrays = []
+    pieces = [rope_rows.astype(np.float32, copy=False)]
     for cache, first in zip(caches, firsts):
         n_kv, _, head_dim = cache.layers[0].keys.shape
         for gi in range(len(kinds)):
             row = first[gi].next_row if gi in first else 0
-            arrays.append(mx.array(np.full((n_kv, 1, head_dim), row, dtype=np.int32)))
+            pieces.append(np.full((n_kv, 1, head_dim), row, dtype=np.int32))
     for gi in range(len(kinds)):
-        arrays.append(kplan.attention_params_rows([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
+        pieces.append(kplan.attention_params_rows([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
                                                   splits[gi]))
+    rope, *arrays = one_upload(pieces)
     for cache in caches:
         arrays += cache.state()
-    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), arrays)
+    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), rope, arrays)
 
 
 class DecodeStep:
@@ -202,7 +221,6 @@ class GpuOps(ReferenceOps):
     def __init__(self, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
-        self._eps: dict[tuple, mx.array] = {}
         self._dequantized = False   # a product of this layer dequantized its matrix (a long chunk)
         self._in_flight: list[list[mx.array]] = []   # the long chunk's layers submitted, not yet waited for
         self._ahead: dict[tuple, mx.array] = {}   # tensors begin_weights loaded, until the model takes them
@@ -249,11 +267,6 @@ class GpuOps(ReferenceOps):
             arrays = upload_raw(mapped, up, self.raw_piece_bytes)
             self._ahead = {(r.path, r.offset, r.nbytes): a for r, a in zip(mapped, arrays)}
         return bool(self._ahead)
-
-    def _eps_array(self, *values: float) -> mx.array:
-        if values not in self._eps:
-            self._eps[values] = mx.array(values, dtype=mx.float32)
-        return self._eps[values]
 
     def matrix(self, raws: list[RawTensor]) -> Matrix:
         qtype = raws[0].qtype
@@ -305,25 +318,25 @@ class GpuOps(ReferenceOps):
         if rows > kplan.MAX_BATCH or kv_dtype != mx.float16:
             return super().qk_post(q, k, v, q_norm, k_norm, rope, rope_half, g, kv_dtype)
         return self.kernels.qk_post(q.array, k.array, v.array, q_norm, k_norm, rope, rope_half,
-                                    self._eps_array(g.rms_eps), g.n_head, g.n_head_kv, g.head_dim,
+                                    g.rms_eps, g.n_head, g.n_head_kv, g.head_dim,
                                     offsets=(q.offset, k.offset, v.offset))
 
     def residual_norm(self, x, f, w_post, w_next, eps_post, eps_next):
         if x.shape[0] > kplan.MAX_BATCH:
             return super().residual_norm(x, f, w_post, w_next, eps_post, eps_next)
-        return self.kernels.residual_norm(x, f, w_post, w_next, self._eps_array(eps_post, eps_next))
+        return self.kernels.residual_norm(x, f, w_post, w_next, eps_post, eps_next)
 
     def ready(self) -> None:
         self.kernels.ready()
         self._in_flight.clear()   # the forward's outputs are evaluated next, which waits for them all
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray):
         f16 = all(c.dtype == mx.float16 for c in caches)
         if T == 1 and f16:
-            return decode_plan(caches, self.kernels)
+            return decode_plan(caches, self.kernels, rope_rows)
         if f16 and len(caches) * T > kplan.MAX_BATCH and self.flash_prefill(g):
             return ChunkStep(g, caches, T, self._flash_rows)
-        return super().kv_step(g, caches, T)
+        return super().kv_step(g, caches, T, rope_rows)
 
     def flash_prefill(self, g: Geometry) -> bool:
         """Whether a long chunk's attention takes _flash_rows (MLX's fused attention or the flash

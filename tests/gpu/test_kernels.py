@@ -512,7 +512,7 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     gate = (rng.standard_normal((seqs, 24 + n_head * hd)) * 3).astype(np.float32) if gated else None
     gate_kw = {} if gate is None else {"gate": mx.array(gate), "gate_offset": 24}
     out = np.array(KERNELS.decode_attention_seqs(mx.array(q), keys, values,
-                                                 plan.attention_params_rows(list(n_valids), chunk, splits), chunk,
+                                                 mx.array(plan.attention_params_rows(list(n_valids), chunk, splits)), chunk,
                                                  splits, init_value=float("nan"), **gate_kw))
     worst, bitwise = 0.0, True
     for s, n in enumerate(n_valids):
@@ -609,7 +609,7 @@ def test_qk_post(n_head, n_kv, hd, rope_half, rows):
     eps = 1e-3
     qk = mx.array(np.concatenate([q, k, rng.standard_normal((rows, 7)).astype(np.float32)], axis=1))  # stacked
     qo, ko, vo = KERNELS.qk_post(qk, qk, mx.array(v), mx.array(qn), mx.array(kn), mx.array(rope),
-                                 rope_half, mx.array([eps], dtype=mx.float32), n_head, n_kv, hd,
+                                 rope_half, eps, n_head, n_kv, hd,
                                  offsets=(0, n_head * hd, 0), init_value=float("nan"))
     eq, worst_k, v_exact = 0.0, 0.0, True
     for r in range(rows):
@@ -640,8 +640,8 @@ def test_residual_norm(n, rows):
     rng = np.random.default_rng([SEED, n, rows])
     x, f = (rng.standard_normal((rows, n)).astype(np.float32) * 4 for _ in range(2))
     wp, wn = (rng.uniform(0.2, 2.0, n).astype(np.float32) for _ in range(2))
-    eps = mx.array([1e-8, 1e-3], dtype=mx.float32)
-    xo, h = KERNELS.residual_norm(mx.array(x), mx.array(f), mx.array(wp), mx.array(wn), eps, init_value=float("nan"))
+    xo, h = KERNELS.residual_norm(mx.array(x), mx.array(f), mx.array(wp), mx.array(wn), 1e-8, 1e-3,
+                                  init_value=float("nan"))
     x_ref = x.astype(np.float64) + rmsnorm64(f, wp, 1e-8)
     h_ref = rmsnorm64(x_ref, wn, 1e-3)
     ex, eh = rel_err(np.array(xo).astype(np.float64), x_ref), rel_err(np.array(h).astype(np.float64), h_ref)
@@ -744,13 +744,15 @@ import mlx.core as mx, numpy as np
 from muse_mlx.kernels import Kernels, gpu_device
 from muse_mlx.kernels import source
 from muse_mlx.kernels.disk_cache import KernelCache, Nvrtc, mlx_source, module_name, module_path
+from muse_mlx.kernels.launch import float_bits
 device = gpu_device()
 nvrtc = Nvrtc.find(device.capability)
 assert nvrtc is not None, "no NVRTC"
 cache = KernelCache(sys.argv[1], nvrtc)
 header, body = source.texts("residual_norm", "cuda")
 args = ("muse_residual_norm", header, body, [(n, mx.float32, 2 if n in ("x", "f") else 1)
-        for n in ("x", "f", "w_post", "w_next", "eps")], [("x_out", mx.float32), ("h", mx.float32)], [("N", 256), ("TPG", 256)])
+        for n in ("x", "f", "w_post", "w_next")], [("x_out", mx.float32), ("h", mx.float32)],
+        [("N", 256), ("TPG", 256), ("EPS_POST", float_bits(1e-6)), ("EPS_NEXT", float_bits(1e-6))])
 kernel, real = mlx_source(*args)   # a module under residual_norm's name whose body writes 42 everywhere
 _, fake = mlx_source(*args[:2], "x_out[blockIdx.y * N + threadIdx.x] = 42.0f; h[blockIdx.y * N + threadIdx.x] = 42.0f;\n", *args[3:])
 binary, mangled = nvrtc.compile(kernel, fake)
@@ -759,8 +761,8 @@ path.parent.mkdir(parents=True, exist_ok=True)
 path.with_suffix(".txt").write_text(f"mlx::core::cu::{kernel}\t{mangled}\n")
 path.write_bytes(binary)
 x = mx.array(np.full((2, 256), 1.0, np.float32)); f = mx.array(np.full((2, 256), 2.0, np.float32))
-w = mx.ones((256,)); eps = mx.array([1e-6, 1e-6], dtype=mx.float32)
-r, h = Kernels(device).residual_norm(x, f, w, w, eps)
+w = mx.ones((256,))
+r, h = Kernels(device).residual_norm(x, f, w, w, 1e-6, 1e-6)
 print(float(np.array(r).max()))
 '''
 
