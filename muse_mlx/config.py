@@ -43,9 +43,9 @@ class KernelConfig:
         or above the warps, the whole threadgroup on one tile.
     mma_pair_min_rows: with two rows of x, the fewest rows of a matrix (N) whose product takes
         the tensor cores; smaller ones keep x_shared (its two rows in one launch); 0 = every
-        matrix. 16,384: Q|K|gate (8,704 rows), o_proj and FFN down (6,656) on x_shared, gate|up
-        (39,936) and the LM head on the tensor cores; the packed step at B = 2 144.7 against
-        132.6 tok/s with 0 (H200, bc94ad1).
+        matrix. 1,024: every matrix but V (256 rows) on the tensor cores; the packed step at B = 2
+        160.3 against 151.0 / 150.6 tok/s with 16,384 (gate|up and the LM head only), interleaved
+        in one lease (H200, 21d9c99, ledger 2026-12-03).
     mma_min_rows: with three or four rows of x, the fewest rows of a matrix (N) whose product
         takes the tensor cores; smaller ones keep x_shared (as many rows a launch as
         plan.stream_batch_rows allows); 0 = every matrix. 1,024: V (256 rows) on x_shared, 6.9-8.0
@@ -96,7 +96,7 @@ class KernelConfig:
     stream_mma: int = 2
     mma_warps: int = 0
     mma_tile_warps: int = 0
-    mma_pair_min_rows: int = 16384
+    mma_pair_min_rows: int = 1024
     mma_min_rows: int = 1024
     mma_parts: int = 6
     prefill_f16: int = 1

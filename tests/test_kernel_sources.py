@@ -227,7 +227,9 @@ def test_tensor_core_plans_fit_the_hardware():
     assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 5, h200, KernelConfig()) is None
     assert Kernels(h200, KernelConfig(mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)  # from 2 rows on
-    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 39936, 2) and not Kernels(h200)._takes_mma(QT.Q4_K, 6656, 8704, 2)
+    # the default at two rows (1,024): every matrix but V's 256 rows
+    assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 39936, 2) and Kernels(h200)._takes_mma(QT.Q4_K, 6656, 8704, 2)
+    assert not Kernels(h200)._takes_mma(QT.Q6_K, 6656, 256, 2)
     assert not Kernels(h200, KernelConfig(stream_mma=3))._takes_mma(QT.Q4_K, 6656, 6656, 2)
     assert Kernels(h200)._takes_mma(QT.Q4_K, 6656, 6656, 3) and Kernels(h200)._takes_mma(QT.Q6_K, 19968, 6656, 4)
     assert Kernels(h200, KernelConfig(stream_mma=2, mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)
@@ -263,7 +265,8 @@ def test_tensor_core_knobs_route_the_products():
     assert small._takes_mma(QT.Q4_K, 6656, 8704, 3) and small._takes_mma(QT.Q6_K, 6656, 1024, 4)
     assert Kernels(h200, KernelConfig(mma_min_rows=0))._takes_mma(QT.Q6_K, 6656, 256, 3)
     assert not Kernels(h200)._takes_mma(QT.Q6_K, 6656, 256, 3)   # the default: 1,024
-    assert not small._takes_mma(QT.Q4_K, 6656, 8704, 2) and small._takes_mma(QT.Q4_K, 6656, 39936, 2)
+    pair = Kernels(h200, KernelConfig(mma_min_rows=1024, mma_pair_min_rows=16384))   # two rows: the pair knob's
+    assert not pair._takes_mma(QT.Q4_K, 6656, 8704, 2) and pair._takes_mma(QT.Q4_K, 6656, 39936, 2)
     # parts of whole blocks, at most plan.MMA_MAX_PARTS (8): 104 units (K = 6,656) split in 1 or 2,
     # 312 (19,968) in 1, 2, 3 or 6
     for k, parts, want in ((6656, 2, 2), (19968, 3, 3), (19968, 4, 6), (19968, 1, 2)):
@@ -290,7 +293,8 @@ def test_tensor_core_knobs_route_the_products():
     assert launched(KernelConfig(mma_pair_min_rows=0), 2) == ["matvec_mma_q4_k"]
     # where the tensor cores do not take the product (two rows below mma_pair_min_rows, one row, or
     # stream_mma = 0) the activation stays in the streaming kernel
-    assert launched(KernelConfig(), 2) == ["matvec_stream_shared_silu_q4_k"]
+    assert launched(KernelConfig(), 2) == ["matvec_mma_q4_k"]   # the default takes FFN down at two rows
+    assert launched(KernelConfig(mma_pair_min_rows=16384), 2) == ["matvec_stream_shared_silu_q4_k"]
     assert launched(KernelConfig(), 1) == ["matvec_stream_silu_q4_k"]
     assert launched(KernelConfig(stream_mma=0), 4) == ["matvec_stream_shared_silu_q4_k"] * 2
 

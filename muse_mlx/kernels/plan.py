@@ -304,15 +304,14 @@ def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.
     return mx.array([n_valid, splits, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
 
 
-def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> np.ndarray:
-    """attention_params of several sequences sharing one split count, one row each: (S, 8) int32
-    (host memory: the decode step uploads it with its other per-token arrays)."""
+def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> mx.array:
+    """attention_params of several sequences sharing one split count, one row each: (S, 8) int32."""
     rows = np.zeros((len(n_valids), 8), dtype=np.int32)
     for row, n_valid in zip(rows, n_valids):
         if splits * chunk < n_valid:
             raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")
         row[:2] = n_valid, splits
-    return rows
+    return mx.array(rows)
 
 
 def attention_splits(n_valid: int, chunk: int, capacity: int) -> int:

@@ -211,10 +211,9 @@ class ReferenceOps:
         r = x + rms_norm(f, w_post, eps_post)
         return r, rms_norm(r, w_next, eps_next)
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray):
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
         """How this forward reaches the caches: a ChunkStep (attend, in place), or on the GPU a
-        DecodePlan (`compiled`: the forward runs as the compiled decode step, its rope rows
-        uploaded with its other per-token arrays). rope_rows: cos|sin of the tokens' angles."""
+        DecodePlan (`compiled`: the forward runs as the compiled decode step)."""
         return ChunkStep(g, caches, T)
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:

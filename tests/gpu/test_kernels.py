@@ -512,7 +512,7 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     gate = (rng.standard_normal((seqs, 24 + n_head * hd)) * 3).astype(np.float32) if gated else None
     gate_kw = {} if gate is None else {"gate": mx.array(gate), "gate_offset": 24}
     out = np.array(KERNELS.decode_attention_seqs(mx.array(q), keys, values,
-                                                 mx.array(plan.attention_params_rows(list(n_valids), chunk, splits)), chunk,
+                                                 plan.attention_params_rows(list(n_valids), chunk, splits), chunk,
                                                  splits, init_value=float("nan"), **gate_kw))
     worst, bitwise = 0.0, True
     for s, n in enumerate(n_valids):
@@ -684,6 +684,7 @@ def test_disk_cache_rebuilds_mlx_source(case):
     prints with verbose=True); otherwise the files written would carry names MLX never reads."""
     from muse_mlx.kernels import source
     from muse_mlx.kernels.disk_cache import mlx_source
+    from muse_mlx.kernels.launch import float_bits
 
     rng = np.random.default_rng(5)
     if case == "matvec_q4_k":
@@ -702,10 +703,11 @@ def test_disk_cache_rebuilds_mlx_source(case):
     else:
         q = mx.array(rng.standard_normal((1, 4 * 128)).astype(np.float32))
         kv = mx.array(rng.standard_normal((1, 128)).astype(np.float32))
-        inputs = [q, kv, kv, mx.ones((128,)), mx.ones((128,)), mx.ones((1, 64)), mx.array([1e-6], dtype=mx.float32)]
+        inputs = [q, kv, kv, mx.ones((128,)), mx.ones((128,)), mx.ones((1, 64))]
         name = "qk_post"
         launch = dict(template=[("HD", 128), ("NH", 4), ("NKV", 1), ("ROPE_HALF", 32), ("TPG", 128), ("Q_OFF", 0),
-                                ("K_OFF", 0), ("V_OFF", 0), ("QS", 512), ("KS", 128), ("VS", 128), ("ROWS", 1)],
+                                ("K_OFF", 0), ("V_OFF", 0), ("QS", 512), ("KS", 128), ("VS", 128), ("ROWS", 1),
+                                ("EPS", float_bits(1e-6))],
                       grid=(6 * 128, 1, 1), threadgroup=(128, 1, 1),
                       output_shapes=[(1, 4, 128), (1, 1, 128), (1, 1, 128)],
                       output_dtypes=[mx.float32, mx.float16, mx.float16], stream=mx.gpu)
