@@ -1,7 +1,8 @@
 """The KV cache of one slot: an f16 ring per sliding layer, an f16 plane per full layer.
 
-Both hold K and V as (n_kv_heads, rows, head_dim) float16 arrays, allocated once at
-their capacity (DESIGN.md §3, seed 000 ch. 22):
+Both hold K and V in one (2, n_kv_heads, rows, head_dim) float16 array (K, then V), allocated
+once at its capacity (DESIGN.md §3, seed 000 ch. 22): one array a layer, so a decode step writes a
+token's K and V rows with one scatter a sequence (two arrays took two, docs/ledger.md 2026-12-04).
 
 - `SlidingRing`: capacity min(C, W). Position p lives in row p % capacity, so the
   write pointer is `offset % capacity`, the logical origin (oldest position kept)
@@ -12,7 +13,7 @@ their capacity (DESIGN.md §3, seed 000 ch. 22):
 
 A multi-token write (a prefill chunk) may be longer than the ring. The model
 therefore attends over `view()` (the rows *before* the chunk) concatenated with the
-chunk's own K/V, and only then calls `append`, which keeps the last `capacity`
+chunk's own K|V, and only then calls `append`, which keeps the last `capacity`
 rows of the chunk. This is the case mlx-lm's rotating cache got wrong
 (ml-explore/mlx-lm #1914): writing first would overwrite rows that earlier
 queries of the same chunk still need.
@@ -34,28 +35,36 @@ KV_DTYPE = mx.float16
 
 
 class _Rows:
-    """K and V storage shared by both layer kinds."""
+    """The K|V storage shared by both layer kinds: `kv` (2, n_kv, capacity, head_dim), K then V."""
 
     def __init__(self, n_kv: int, head_dim: int, capacity: int, dtype=KV_DTYPE):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.dtype = dtype
-        self.keys = mx.zeros((n_kv, capacity, head_dim), dtype=dtype)
-        self.values = mx.zeros((n_kv, capacity, head_dim), dtype=dtype)
+        self.kv = mx.zeros((2, n_kv, capacity, head_dim), dtype=dtype)
         self.offset = 0  # tokens written so far == the next absolute position
 
     @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+    def keys(self) -> mx.array:
+        """K (n_kv, capacity, head_dim): a view of `kv` (held past a step, it costs the step's
+        in-place write a copy of the storage)."""
+        return self.kv[0]
 
-    def _write(self, row: int, k: mx.array, v: mx.array) -> None:
-        n = k.shape[1]
-        self.keys[:, row:row + n, :] = k
-        self.values[:, row:row + n, :] = v
+    @property
+    def values(self) -> mx.array:
+        return self.kv[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+    def _write(self, row: int, kv: mx.array) -> None:
+        n = kv.shape[2]
+        self.kv[:, :, row:row + n, :] = kv
 
     def state(self) -> list[mx.array]:
-        return [self.keys, self.values]
+        return [self.kv]
 
     @property
     def held(self) -> int:
@@ -64,38 +73,35 @@ class _Rows:
 
     def held_rows(self) -> tuple[mx.array, mx.array]:
         """K and V of the held rows, as stored (a ring's in physical order)."""
-        return self.keys[:, :self.held, :], self.values[:, :self.held, :]
+        return self.kv[0, :, :self.held, :], self.kv[1, :, :self.held, :]
 
     def restore_rows(self, keys: mx.array, values: mx.array, offset: int) -> None:
         """Take `keys`, `values` (n_kv, rows, head_dim) as the held rows of a storage whose next
         position is `offset` (kvpack's restore): they must be exactly the rows `offset` implies."""
         held = min(offset, self.capacity)
-        want = (self.keys.shape[0], held, self.keys.shape[2])
+        want = (self.kv.shape[1], held, self.kv.shape[3])
         if keys.shape != want or values.shape != want or keys.dtype != self.dtype or values.dtype != self.dtype:
             raise ValueError(f"restore needs K and V of shape {want} and dtype {self.dtype}, got "
                              f"{keys.shape} {keys.dtype} / {values.shape} {values.dtype}")
         if held:
-            self.keys[:, :held, :] = keys
-            self.values[:, :held, :] = values
+            self.kv[:, :, :held, :] = mx.stack([keys, values])
         self.offset = offset
 
-    def restore_storage(self, keys: mx.array, values: mx.array, offset: int) -> None:
-        """Take `keys`, `values` (n_kv, capacity, head_dim) f16, the whole storage with the held rows
-        `offset` implies first (kvpack's restore, which puts them together), next position `offset`."""
-        want = self.keys.shape
-        if keys.shape != want or values.shape != want or keys.dtype != mx.float16 or values.dtype != mx.float16 \
-                or self.dtype != mx.float16:
-            raise ValueError(f"restore needs f16 K and V storage of shape {want}, got {keys.shape} {keys.dtype} / "
-                             f"{values.shape} {values.dtype}")
-        self.keys, self.values = keys, values
+    def restore_storage(self, kv: mx.array, offset: int) -> None:
+        """Take `kv` (2, n_kv, capacity, head_dim) f16, the whole storage with the held rows `offset`
+        implies first (kvpack's restore, which puts them together), next position `offset`."""
+        want = self.kv.shape
+        if kv.shape != want or kv.dtype != mx.float16 or self.dtype != mx.float16:
+            raise ValueError(f"restore needs f16 K|V storage of shape {want}, got {kv.shape} {kv.dtype}")
+        self.kv = kv
         self.offset = offset
 
-    def rebind(self, keys: mx.array, values: mx.array, n_new: int) -> None:
-        """Take `keys` and `values` (this storage with rows for the next n_new positions already
-        written at `next_row` on: a compiled step's outputs) as the storage, n_new tokens on."""
-        if keys.shape != self.keys.shape or values.shape != self.values.shape:
-            raise ValueError(f"rebind needs storage of shape {self.keys.shape}, got {keys.shape} / {values.shape}")
-        self.keys, self.values = keys, values
+    def rebind(self, kv: mx.array, n_new: int) -> None:
+        """Take `kv` (this storage with rows for the next n_new positions already written at
+        `next_row` on: a compiled step's output) as the storage, n_new tokens on."""
+        if kv.shape != self.kv.shape:
+            raise ValueError(f"rebind needs storage of shape {self.kv.shape}, got {kv.shape}")
+        self.kv = kv
         self.offset += n_new
 
 
@@ -123,20 +129,21 @@ class SlidingRing(_Rows):
         r = np.arange(n, dtype=np.int64)
         return r + self.capacity * ((self.offset - 1 - r) // self.capacity)
 
-    def view(self) -> tuple[mx.array, mx.array, np.ndarray]:
-        n = min(self.offset, self.capacity)
-        return self.keys[:, :n, :], self.values[:, :n, :], self.row_positions()
+    def view(self) -> tuple[mx.array, np.ndarray]:
+        """K|V of the held rows (2, n_kv, rows, hd) and the absolute position of each."""
+        return self.kv[:, :, :min(self.offset, self.capacity), :], self.row_positions()
 
-    def append(self, k: mx.array, v: mx.array) -> None:
-        """Write positions offset..offset+L-1; only the last `capacity` of them are kept."""
-        n_new = k.shape[1]
+    def append(self, kv: mx.array) -> None:
+        """Write K|V (2, n_kv, L, hd) of positions offset..offset+L-1; only the last `capacity`
+        of them are kept."""
+        n_new = kv.shape[2]
         keep = min(n_new, self.capacity)
-        k, v = k[:, n_new - keep:, :], v[:, n_new - keep:, :]
+        kv = kv[:, :, n_new - keep:, :]
         first = (self.offset + n_new - keep) % self.capacity
         head = min(keep, self.capacity - first)
-        self._write(first, k[:, :head], v[:, :head])
+        self._write(first, kv[:, :, :head])
         if keep > head:  # the chunk wraps past the end of the ring
-            self._write(0, k[:, head:], v[:, head:])
+            self._write(0, kv[:, :, head:])
         self.offset += n_new
 
 
@@ -153,15 +160,15 @@ class GrowingPlane(_Rows):
             raise ContextLimitError(f"context full: the slot's {self.capacity} positions are used")
         return self.offset
 
-    def view(self) -> tuple[mx.array, mx.array, np.ndarray]:
-        return self.keys[:, :self.offset, :], self.values[:, :self.offset, :], self.row_positions()
+    def view(self) -> tuple[mx.array, np.ndarray]:
+        return self.kv[:, :, :self.offset, :], self.row_positions()
 
-    def append(self, k: mx.array, v: mx.array) -> None:
-        n_new = k.shape[1]
+    def append(self, kv: mx.array) -> None:
+        n_new = kv.shape[2]
         if self.offset + n_new > self.capacity:
             raise ContextLimitError(
                 f"context full: {self.offset} + {n_new} tokens exceed the slot's {self.capacity} positions")
-        self._write(self.offset, k, v)
+        self._write(self.offset, kv)
         self.offset += n_new
 
 
@@ -252,14 +259,15 @@ class SlotCache:
         key = mx.random.key(seed)
         for layer in self.layers:
             key, k1, k2 = mx.random.split(key, 3)
-            layer.keys = (0.5 * mx.random.normal(layer.keys.shape, key=k1)).astype(layer.dtype)
-            layer.values = mx.random.normal(layer.values.shape, key=k2).astype(layer.dtype)
+            shape = layer.kv.shape[1:]
+            layer.kv = mx.stack([0.5 * mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2)]).astype(
+                layer.dtype)
             layer.offset = depth
         mx.eval(self.state())
 
     def rebind(self, state: list[mx.array], n_new: int) -> None:
         """Take `state` (as state() lists it, n_new more positions written) as every layer's storage."""
-        if len(state) != 2 * len(self.layers):
-            raise ValueError(f"rebind needs {2 * len(self.layers)} arrays, got {len(state)}")
-        for i, layer in enumerate(self.layers):
-            layer.rebind(state[2 * i], state[2 * i + 1], n_new)
+        if len(state) != len(self.layers):
+            raise ValueError(f"rebind needs {len(self.layers)} arrays, got {len(state)}")
+        for layer, kv in zip(self.layers, state):
+            layer.rebind(kv, n_new)

@@ -201,8 +201,7 @@ def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", c
     # chunk not already written; the blobs are then serialized, hashed and written on threads,
     # a bounded number at a time.
     lo = to_write[0]["first"] if to_write else cache.offset
-    rows = {i: (np.array(cache.layers[i].keys[:, lo:cache.offset, :]),
-                np.array(cache.layers[i].values[:, lo:cache.offset, :])) for i in full} if to_write else {}
+    rows = {i: np.array(cache.layers[i].kv[:, :, lo:cache.offset, :]) for i in full} if to_write else {}
     groups = [{"layers": swa[a:a + RING_GROUP]} for a in range(0, len(swa), RING_GROUP)]
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         pending = []
@@ -215,9 +214,9 @@ def save(cache: SlotCache, tokens, model_id: dict, out, encoding: str = "f16", c
 
         for c in to_write:
             a, b = c["first"] - lo, c["first"] - lo + c["rows"]
-            put(c, {"kv": arr(np.stack([np.stack([rows[i][0][:, a:b, :], rows[i][1][:, a:b, :]]) for i in full]))})
+            put(c, {"kv": arr(np.stack([rows[i][:, :, a:b, :] for i in full]))})
         for grp in groups:
-            put(grp, {"kv": arr(np.stack([np.stack([np.array(r) for r in cache.layers[i].held_rows()])
+            put(grp, {"kv": arr(np.stack([np.array(cache.layers[i].kv[:, :, :cache.layers[i].held, :])
                                          for i in grp["layers"]]))})
         for entry, future in pending:
             entry["blob"], entry["bytes"] = future.result()
@@ -522,12 +521,12 @@ def read_last_logits(pack: Pack) -> np.ndarray | None:
 
 
 def _storage(rows: mx.array, capacity: int) -> mx.array:
-    """A layer's K or V storage: `rows` (n_kv, held, hd) first, zeros after, as its own f16 array."""
+    """A layer's K|V storage: `rows` (2, n_kv, held, hd) first, zeros after, as its own f16 array."""
     rows = rows.astype(KV_DTYPE)
-    pad = capacity - rows.shape[1]
+    pad = capacity - rows.shape[2]
     if not pad:
         return mx.contiguous(rows)
-    return mx.concatenate([rows, mx.zeros((rows.shape[0], pad, rows.shape[2]), KV_DTYPE)], axis=1)
+    return mx.concatenate([rows, mx.zeros((*rows.shape[:2], pad, rows.shape[3]), KV_DTYPE)], axis=2)
 
 
 def restore(path, geometry: Geometry, model_fingerprint: str, context: int | None = None,
@@ -554,14 +553,12 @@ def restore(path, geometry: Geometry, model_fingerprint: str, context: int | Non
         plane = planes[0] if len(planes) == 1 else mx.concatenate(planes, axis=3)
         for j, i in enumerate(full):
             layer = cache.layers[i]
-            layer.restore_storage(_storage(plane[j, 0], layer.capacity), _storage(plane[j, 1], layer.capacity),
-                                  m["offset"])
+            layer.restore_storage(_storage(plane[j], layer.capacity), m["offset"])
         del plane
     for grp, ring in zip(m["ring_groups"], rings):
         for j, i in enumerate(grp["layers"]):
             layer = cache.layers[i]
-            layer.restore_storage(_storage(ring[j, 0], layer.capacity), _storage(ring[j, 1], layer.capacity),
-                                  m["offset"])
+            layer.restore_storage(_storage(ring[j], layer.capacity), m["offset"])
     for layer in cache.layers:     # no rows held (offset 0): the storage as allocated, the offset set
         layer.offset = m["offset"]
     del arrays, planes, rings

@@ -92,9 +92,9 @@ class Attention(nn.Module):
     def __call__(self, h: mx.array, rope: mx.array, kv, kv_dtype) -> mx.array:
         """h (rows, n_embd), the normed input -> Wo of the gated attention (rows, n_embd)."""
         p = self.wqkgv(h)
-        q, k, v = self._ops.qk_post(p["q"], p["k"], p["v"], self.q_norm, self.k_norm, rope, self.rope_half, self.g,
-                                    kv_dtype)
-        return self._ops.project(self.wo, kv.attend(self.layer, q, k, v, p["gate"]))
+        q, kv_new = self._ops.qk_post(p["q"], p["k"], p["v"], self.q_norm, self.k_norm, rope, self.rope_half, self.g,
+                                      kv_dtype)
+        return self._ops.project(self.wo, kv.attend(self.layer, q, kv_new, p["gate"]))
 
 
 class FeedForward(nn.Module):
@@ -255,7 +255,7 @@ class Model(nn.Module):
         if kv.compiled:   # a DecodePlan: the forward compiled for its key
             logits, *state = self._compiled_step(kv.key)(tokens, rope, *kv.arrays)
             for b, cache in enumerate(caches):
-                n = 2 * len(cache.layers)
+                n = len(cache.layers)
                 cache.rebind(state[b * n:(b + 1) * n], T)
         else:
             logits = self.forward(tokens, rope, kv, caches[0].dtype, last_only)

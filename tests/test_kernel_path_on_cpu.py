@@ -82,11 +82,12 @@ class StandIns(Kernels):
             return mx.concatenate([pairs, x[..., 2 * rope_half:]], axis=-1)
         qn = rotate(rms_norm(part(q, offsets[0], n_head), q_norm, eps))
         kn = rotate(rms_norm(part(k, offsets[1], n_kv), k_norm, eps))
-        return qn, kn.transpose(1, 0, 2).astype(mx.float16), part(v, offsets[2], n_kv).transpose(1, 0, 2).astype(mx.float16)
+        return qn, mx.stack([kn, part(v, offsets[2], n_kv)]).transpose(0, 2, 1, 3).astype(mx.float16)
 
-    def decode_attention(self, q, keys, values, params, chunk, splits, gate=None, gate_offset=0, out_shape=None,
+    def decode_attention(self, q, kv, params, chunk, splits, gate=None, gate_offset=0, out_shape=None,
                          init_value=None):
         n_head, hd = q.shape[-2:]
+        keys, values = kv[0], kv[1]
         self.attention_splits.append(splits)
         params = params.reshape(-1)
         visible = mx.arange(keys.shape[1]) < mx.minimum(params[0], params[1] * chunk)
@@ -99,13 +100,13 @@ class StandIns(Kernels):
             out = out * mx.sigmoid(gate.reshape(-1)[gate_offset:gate_offset + n_head * hd].reshape(n_head, hd))
         return out.reshape(out_shape or (n_head, hd))
 
-    def decode_attention_seqs(self, q, keys, values, params, chunk, splits, gate=None, gate_offset=0,
+    def decode_attention_seqs(self, q, kvs, params, chunk, splits, gate=None, gate_offset=0,
                               init_value=None):
-        self.attention_launches_seqs.append(len(keys))
+        self.attention_launches_seqs.append(len(kvs))
         return mx.concatenate([self.decode_attention(
-            q[b], keys[b], values[b], params[b], chunk, splits, gate=gate,
+            q[b], kvs[b], params[b], chunk, splits, gate=gate,
             gate_offset=b * gate.shape[-1] + gate_offset if gate is not None else 0,
-            out_shape=(1, q.shape[-2] * q.shape[-1])) for b in range(len(keys))], axis=0)
+            out_shape=(1, q.shape[-2] * q.shape[-1])) for b in range(len(kvs))], axis=0)
 
     def prefill_attention(self, q, keys, values, q_pos, k_pos, window, init_value=None):
         """The kernel's own body: its Metal text run by the emulator (tests/metal_emulator.py)."""

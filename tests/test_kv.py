@@ -13,16 +13,17 @@ from muse_mlx.kv import GrowingPlane, SlidingRing, SlotCache
 
 
 def rows_for(positions, n_kv=2, hd=4):
-    """K rows whose values encode their absolute position (exact in f16 below 2048)."""
+    """K|V rows (2, n_kv, L, hd) whose K values encode their absolute position (exact in f16
+    below 2048), V the negated K."""
     p = np.asarray(positions, dtype=np.float32)
     k = np.broadcast_to(p[None, :, None], (n_kv, len(p), hd)).astype(np.float16)
-    return mx.array(k), mx.array(-k)
+    return mx.array(np.stack([k, -k]))
 
 
 def held(layer):
-    k, v, pos = layer.view()
-    k = np.array(k.astype(mx.float32))
-    return {int(p): float(k[0, i, 0]) for i, p in enumerate(pos)}, np.array(v.astype(mx.float32))
+    kv, pos = layer.view()
+    kv = np.array(kv.astype(mx.float32))
+    return {int(p): float(kv[0, 0, i, 0]) for i, p in enumerate(pos)}, kv[1]
 
 
 @settings(max_examples=80, deadline=None)
@@ -31,7 +32,7 @@ def test_ring_holds_exactly_the_last_capacity_positions(capacity, chunks):
     ring = SlidingRing(2, 4, capacity, window=capacity)
     written = 0
     for n in chunks:
-        ring.append(*rows_for(range(written, written + n)))
+        ring.append(rows_for(range(written, written + n)))
         written += n
         mapping, values = held(ring)
         expected = list(range(max(0, written - capacity), written))
@@ -40,26 +41,26 @@ def test_ring_holds_exactly_the_last_capacity_positions(capacity, chunks):
         assert ring.offset == written
         assert ring.write_pointer == written % capacity
         assert ring.origin == expected[0]
-        k = np.array(ring.view()[0].astype(mx.float32))
+        k = np.array(ring.view()[0][0].astype(mx.float32))
         assert np.array_equal(values, -k)
 
 
 def test_ring_row_of_a_position_is_fixed():
     """Position p lives in row p % capacity: the rotation is a function of offset alone."""
     ring = SlidingRing(1, 2, 5, window=5)
-    ring.append(*rows_for(range(13), n_kv=1, hd=2))
+    ring.append(rows_for(range(13), n_kv=1, hd=2))
     k = np.array(ring.keys.astype(mx.float32))[0, :, 0]
     assert list(k) == [10, 11, 12, 8, 9]
 
 
 def test_plane_grows_to_capacity_then_refuses():
     plane = GrowingPlane(2, 4, 10)
-    plane.append(*rows_for(range(6)))
-    plane.append(*rows_for(range(6, 10)))
+    plane.append(rows_for(range(6)))
+    plane.append(rows_for(range(6, 10)))
     mapping, _ = held(plane)
     assert mapping == {p: p for p in range(10)}
     with pytest.raises(ContextLimitError):
-        plane.append(*rows_for([10]))
+        plane.append(rows_for([10]))
 
 
 def test_slot_bytes_match_the_formula_at_the_pinned_geometry():

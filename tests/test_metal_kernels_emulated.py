@@ -268,7 +268,7 @@ def test_decode_attention(n_head, n_kv, hd, cap, n_valid, chunk, combine_warps):
     keys = (0.5 * rng.standard_normal((n_kv, cap, hd))).astype(np.float16)
     values = rng.standard_normal((n_kv, cap, hd)).astype(np.float16)
     splits = -(-n_valid // chunk)
-    out = np.array(k.decode_attention(mx.array(q), mx.array(keys), mx.array(values),
+    out = np.array(k.decode_attention(mx.array(q), mx.array(np.stack([keys, values])),
                                       plan.attention_params(n_valid, chunk, splits), chunk, splits, init_value=NAN))
     ref = attention_ref(q, keys, values, n_valid)
     assert np.isfinite(out).all()
@@ -285,7 +285,7 @@ def test_decode_attention_padded_splits(metal):
     keys = (0.5 * rng.standard_normal((n_kv, cap, hd))).astype(np.float16)
     values = rng.standard_normal((n_kv, cap, hd)).astype(np.float16)
     params = plan.attention_params(n_valid, chunk, 10)
-    out = np.array(metal.decode_attention(mx.array(q), mx.array(keys), mx.array(values), params, chunk, 10,
+    out = np.array(metal.decode_attention(mx.array(q), mx.array(np.stack([keys, values])), params, chunk, 10,
                                           init_value=NAN))
     ref = attention_ref(q, keys, values, n_valid)
     assert np.isfinite(out).all()
@@ -300,7 +300,7 @@ def test_decode_attention_gated(metal):
     values = rng.standard_normal((n_kv, cap, hd)).astype(np.float16)
     stacked = rng.standard_normal((2, 100 + n_head * hd)).astype(np.float32)   # row 1's gate from offset 100
     width = stacked.shape[1]
-    out = np.array(metal.decode_attention(mx.array(q), mx.array(keys), mx.array(values),
+    out = np.array(metal.decode_attention(mx.array(q), mx.array(np.stack([keys, values])),
                                           plan.attention_params(n_valid, 32, 3), 32, 3, gate=mx.array(stacked),
                                           gate_offset=width + 100, out_shape=(1, n_head * hd), init_value=NAN))
     gate = stacked[1, 100:].astype(np.float64).reshape(n_head, hd)
@@ -323,12 +323,12 @@ def test_decode_attention_over_sequences_in_one_launch(metal, seqs, gated):
     params = [plan.attention_params(n, chunk, splits) for n in n_valid]
     gate = rng.standard_normal((seqs, 40 + n_head * hd)).astype(np.float32) if gated else None
     out = np.array(metal.decode_attention_seqs(
-        mx.array(q), [mx.array(k) for k in keys], [mx.array(v) for v in values], mx.stack(params), chunk, splits,
+        mx.array(q), [mx.array(np.stack(kv)) for kv in zip(keys, values)], mx.stack(params), chunk, splits,
         gate=None if gate is None else mx.array(gate), gate_offset=40, init_value=NAN))
     assert out.shape == (seqs, n_head * hd) and np.isfinite(out).all()
     for s in range(seqs):
         alone = np.array(metal.decode_attention(
-            mx.array(q[s]), mx.array(keys[s]), mx.array(values[s]), params[s], chunk, splits,
+            mx.array(q[s]), mx.array(np.stack([keys[s], values[s]])), params[s], chunk, splits,
             gate=None if gate is None else mx.array(gate), gate_offset=s * gate.shape[1] + 40 if gated else 0,
             out_shape=(1, n_head * hd), init_value=NAN))
         assert np.array_equal(out[s:s + 1], alone), s
@@ -345,7 +345,7 @@ def rms(x, eps):
 @pytest.mark.parametrize("rope_half, rows", [(0, 1), (16, 1), (16, 3)])
 def test_qk_post(metal, rope_half, rows):
     """One token row (a decode step) or several (B slots), each with its own RoPE angles; K and V
-    come out in the cache's layout (n_kv, rows, hd)."""
+    come out in the cache's layout, K|V (2, n_kv, rows, hd)."""
     n_head, n_kv, hd, eps = 4, 2, 48, 1e-6
     rng = np.random.default_rng([rope_half, rows])
     stacked = rng.standard_normal((rows, n_head * hd + n_kv * hd + 64)).astype(np.float32)  # Q|K|(gate) output
@@ -353,9 +353,11 @@ def test_qk_post(metal, rope_half, rows):
     q_norm, k_norm = (rng.uniform(0.5, 1.5, hd).astype(np.float32) for _ in range(2))
     angles = rng.uniform(0, 6, (rows, max(rope_half, 1))).astype(np.float64)
     rope = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
-    q_out, k_out, v_out = metal.qk_post(mx.array(stacked), mx.array(stacked), mx.array(v), mx.array(q_norm),
-                                        mx.array(k_norm), mx.array(rope), rope_half, eps, n_head, n_kv, hd,
-                                        offsets=(0, n_head * hd, 0), init_value=NAN)
+    q_out, kv_out = metal.qk_post(mx.array(stacked), mx.array(stacked), mx.array(v), mx.array(q_norm),
+                                  mx.array(k_norm), mx.array(rope), rope_half, eps, n_head, n_kv, hd,
+                                  offsets=(0, n_head * hd, 0), init_value=NAN)
+    assert kv_out.shape == (2, n_kv, rows, hd)
+    k_out, v_out = kv_out[0], kv_out[1]
     for r in range(rows):
         s = stacked[r].astype(np.float64)
 

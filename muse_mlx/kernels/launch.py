@@ -142,40 +142,40 @@ class Kernels:
 
     # ---- decode attention ----
 
-    def decode_attention(self, q: mx.array, keys: mx.array, values: mx.array, params: mx.array, chunk: int,
+    def decode_attention(self, q: mx.array, kv: mx.array, params: mx.array, chunk: int,
                          splits: int, gate: mx.array | None = None, gate_offset: int = 0,
                          out_shape: tuple | None = None, init_value: float | None = None) -> mx.array:
-        """One query token over the first params[0] rows of (n_kv, CAP, HD) f16 K/V, in `splits`
+        """One query token over the first params[0] rows of kv (2, n_kv, CAP, HD) f16, K then V, in `splits`
         splits of `chunk` rows (plan.attention_params(n_valid, chunk, splits) -> params; splits
         past the rows weigh zero). q (n_head, HD) or (1, n_head, HD) f32 -> (n_head, HD) f32, or
         `out_shape`.
         With `gate` (n_head * HD values from `gate_offset`) the output is multiplied by
         sigmoid(gate), the attention output gate, in the combine."""
-        partial, combine = plan.attention_launch(q.shape[-2:], keys.shape, chunk, splits, gate is not None, gate_offset,
-                                                 out_shape, self.config)
-        part_o, part_ml = self.kernel("attention_partial")(inputs=[q, keys, values, params], **partial)
+        partial, combine = plan.attention_launch(q.shape[-2:], kv.shape[1:], chunk, splits, gate is not None,
+                                                 gate_offset, out_shape, self.config)
+        part_o, part_ml = self.kernel("attention_partial")(inputs=[q, kv, params], **partial)
         if gate is None:
             return self.kernel("attention_combine")(inputs=[part_o, part_ml, params], init_value=init_value,
                                                     **combine)[0]
         return self.kernel("attention_combine_gated")(inputs=[part_o, part_ml, params, gate],
                                                       init_value=init_value, **combine)[0]
 
-    def decode_attention_seqs(self, q: mx.array, keys: list[mx.array], values: list[mx.array], params: mx.array,
+    def decode_attention_seqs(self, q: mx.array, kvs: list[mx.array], params: mx.array,
                               chunk: int, splits: int, gate: mx.array | None = None, gate_offset: int = 0,
                               init_value: float | None = None) -> mx.array:
-        """decode_attention for S = len(keys) sequences (at most source.ATTENTION_SEQS) in one
-        launch of each kernel: q (S, n_head, HD) f32, keys[s] / values[s] sequence s's (n_kv, CAP,
-        HD) f16 storage (one shape for all), params (S, 8) int32 (plan.attention_params rows; one
+        """decode_attention for S = len(kvs) sequences (at most source.ATTENTION_SEQS) in one
+        launch of each kernel: q (S, n_head, HD) f32, kvs[s] sequence s's (2, n_kv, CAP, HD) f16
+        K|V storage (one shape for all), params (S, 8) int32 (plan.attention_params rows; one
         split count), the gate's row s from gate_offset for sequence s. -> (S, n_head * HD) f32."""
-        seqs = len(keys)
-        if not 1 <= seqs <= source.ATTENTION_SEQS or len(values) != seqs or q.shape[0] != seqs:
+        seqs = len(kvs)
+        if not 1 <= seqs <= source.ATTENTION_SEQS or q.shape[0] != seqs:
             raise ValueError(f"decode_attention_seqs takes 1..{source.ATTENTION_SEQS} sequences, got {seqs}")
         gate_row = 0 if gate is None else gate.shape[-1]
-        partial, combine = plan.attention_launch(q.shape[-2:], keys[0].shape, chunk, splits, gate is not None,
+        partial, combine = plan.attention_launch(q.shape[-2:], kvs[0].shape[1:], chunk, splits, gate is not None,
                                                  gate_offset, None, self.config, seqs, gate_row)
         spare = source.ATTENTION_SEQS - seqs   # unused storage inputs: sequence 0's again (never read)
         part_o, part_ml = self.kernel("attention_partial_seqs")(
-            inputs=[q, *keys, *keys[:1] * spare, *values, *values[:1] * spare, params], **partial)
+            inputs=[q, *kvs, *kvs[:1] * spare, params], **partial)
         if gate is None:
             return self.kernel("attention_combine_seqs")(inputs=[part_o, part_ml, params], init_value=init_value,
                                                          **combine)[0]
@@ -205,9 +205,9 @@ class Kernels:
 
     def qk_post(self, q: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, rope: mx.array,
                 rope_half: int, eps: float, n_head: int, n_kv: int, head_dim: int, offsets: tuple = (0, 0, 0),
-                init_value: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                init_value: float | None = None) -> tuple[mx.array, mx.array]:
         """R token rows of q, k, v (f32, each (R, row width)) -> q normed and rotated (R, n_head, hd)
-        f32, k and v (n_kv, R, hd) f16 (the cache's layout).
+        f32, K|V (2, n_kv, R, hd) f16 (the cache's layout).
 
         q, k and v are read from `offsets` within each row of their arrays (pass one stacked
         Q|K|gate|V output as each). `rope`: (R, 2*rope_half) cos then sin of each row's angles,
@@ -223,8 +223,8 @@ class Kernels:
                       ("QS", q.shape[-1]), ("KS", k.shape[-1]), ("VS", v.shape[-1]), ("ROWS", rows),
                       ("EPS", float_bits(eps))],
             grid=((n_head + 2 * n_kv) * tpg, rows, 1), threadgroup=(tpg, 1, 1),
-            output_shapes=[(rows, n_head, head_dim), (n_kv, rows, head_dim), (n_kv, rows, head_dim)],
-            output_dtypes=[mx.float32, mx.float16, mx.float16], init_value=init_value, stream=mx.gpu))
+            output_shapes=[(rows, n_head, head_dim), (2, n_kv, rows, head_dim)],
+            output_dtypes=[mx.float32, mx.float16], init_value=init_value, stream=mx.gpu))
 
     def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps_post: float,
                       eps_next: float, init_value: float | None = None) -> tuple[mx.array, mx.array]:

@@ -331,7 +331,7 @@ def _warps_for(group: int) -> int:
 @lru_cache(maxsize=None)
 def attention_launch(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: int, gated: bool, gate_offset: int,
                      out_shape: tuple | None, config: KernelConfig, seqs: int = 0, gate_row: int = 0) -> tuple[dict, dict]:
-    """The launch keywords of the decode attention's partial and combine kernels: one sequence,
+    """kv_shape: one of K and V's (n_kv, CAP, HD). The launch keywords of the decode attention's partial and combine kernels: one sequence,
     or (seqs > 0: the _seqs kernels) `seqs` sequences in one launch each, sequence s's gate at
     gate_offset + s * gate_row and its output row s of out_shape."""
     n_head, hd = q_shape
@@ -341,8 +341,7 @@ def attention_launch(q_shape: tuple, kv_shape: tuple, chunk: int, nsplit: int, g
     cw = combine_warps(nsplit, config)
     b = max(1, seqs)
     partial = dict(
-        template=[("HD", hd), ("G", group), ("HPW", group // nw), ("CAP", cap), ("CHUNK", chunk)]
-        + ([("NKV", n_kv)] if seqs else []),
+        template=[("HD", hd), ("G", group), ("HPW", group // nw), ("NKV", n_kv), ("CAP", cap), ("CHUNK", chunk)],
         grid=(nsplit * nw * 32, n_kv * b, 1), threadgroup=(nw * 32, 1, 1),
         output_shapes=[(b * n_head * nsplit * hd,), (b * n_head * nsplit * 2,)],
         output_dtypes=[mx.float32, mx.float32], stream=mx.gpu)

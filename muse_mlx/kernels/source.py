@@ -23,7 +23,7 @@ import mlx.core as mx
 STREAM_FORMATS = ("q4_k", "q6_k")                           # formats with a streaming one-token kernel
 BATCH_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "nvfp4")   # matvec.inc's quantized formats
 
-ATTENTION_SEQS = 4   # sequences one attention launch takes (attention.inc's partial_seqs: keys0..keys3)
+ATTENTION_SEQS = 4   # sequences one attention launch takes (attention.inc's partial_seqs: kv0..kv3)
 
 KERNELS = {
     # name: (family, sections, inputs, outputs)
@@ -47,16 +47,15 @@ KERNELS = {
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
-    "attention_partial": ("attention", ["partial_one", "partial_butterfly"], ["q", "keys", "values", "params"],
+    "attention_partial": ("attention", ["partial_one", "partial_butterfly"], ["q", "kv", "params"],
                           ["part_o", "part_ml"]),
     "attention_combine": ("attention", ["combine_one", "combine", "store"], ["part_o", "part_ml", "params"], ["out"]),
     "attention_combine_gated": ("attention", ["combine_one", "combine", "store_gated"],
                                 ["part_o", "part_ml", "params", "gate"], ["out"]),
-    # the same over up to ATTENTION_SEQS sequences in one launch, each with its own storage
+    # the same over up to ATTENTION_SEQS sequences in one launch, each with its own K|V storage
     "attention_partial_seqs": ("attention", ["partial_seqs", "partial_butterfly"],
-                               ["q_all", *(f"keys{i}" for i in range(ATTENTION_SEQS)),
-                                *(f"values{i}" for i in range(ATTENTION_SEQS)),
-                                "params_all"], ["part_o_all", "part_ml_all"]),
+                               ["q_all", *(f"kv{i}" for i in range(ATTENTION_SEQS)), "params_all"],
+                               ["part_o_all", "part_ml_all"]),
     "attention_combine_seqs": ("attention", ["combine_seqs", "combine", "store"],
                                ["part_o_all", "part_ml_all", "params_all"], ["out_all"]),
     "attention_combine_seqs_gated": ("attention", ["combine_seqs", "combine_seqs_gate", "combine", "store_gated"],
@@ -66,7 +65,7 @@ KERNELS = {
                           ["out"]),
     # decode_glue.inc: the steps between the products
     "qk_post": ("decode_glue", ["qk_post"], ["q", "k", "v", "q_norm", "k_norm", "rope"],
-                ["q_out", "k_out", "v_out"]),
+                ["q_out", "kv_out"]),
     "residual_norm": ("decode_glue", ["residual_norm"], ["x", "f", "w_post", "w_next"], ["x_out", "h"]),
 }
 

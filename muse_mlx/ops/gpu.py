@@ -39,9 +39,9 @@ class DecodePlan(NamedTuple):
 
     key: the trace key (B; per sequence, the group of each layer; per group, the attention's
     rows per split and split count, trace constants); arrays: per sequence and group, the row
-    to write (int32 shaped like a row of K: put_along_axis's indices), then per group the
-    attention parameters of the B sequences (plan.attention_params_rows, (B, 8)), then every
-    cache's storage (SlotCache.state order)."""
+    to write (int32 shaped like a row of K|V, (2, n_kv, 1, hd): put_along_axis's indices), then
+    per group the attention parameters of the B sequences (plan.attention_params_rows, (B, 8)),
+    then every cache's storage (SlotCache.state order: one K|V array a layer)."""
     key: tuple
     arrays: list
     compiled: bool = True
@@ -68,10 +68,10 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
                    for gi in range(len(kinds)))
     arrays = []
     for cache, first in zip(caches, firsts):
-        n_kv, _, head_dim = cache.layers[0].keys.shape
+        _, n_kv, _, head_dim = cache.layers[0].kv.shape
         for gi in range(len(kinds)):
             row = first[gi].next_row if gi in first else 0
-            arrays.append(mx.array(np.full((n_kv, 1, head_dim), row, dtype=np.int32)))
+            arrays.append(mx.array(np.full((2, n_kv, 1, head_dim), row, dtype=np.int32)))
     for gi in range(len(kinds)):
         arrays.append(kplan.attention_params_rows([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
                                                   splits[gi]))
@@ -81,10 +81,10 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
 
 
 class DecodeStep:
-    """One decode token of B sequences inside the compiled step: writes each layer's new K/V row
-    into the storage arrays with put_along_axis at the plan's rows (MLX's scatter: a thread per
-    element written, where a slice update at an array row launches one per element stored)
-    and attends with the split decode kernel: the B sequences in one launch where a layer's
+    """One decode token of B sequences inside the compiled step: writes each layer's new K|V row
+    into each sequence's storage array with put_along_axis at the plan's rows (MLX's scatter: a
+    thread per element written, where a slice update at an array row launches one per element
+    stored; one scatter a sequence a layer, K and V being one array) and attends with the split decode kernel: the B sequences in one launch where a layer's
     storage has one group for all of them, else one launch each. `state` is the storage with
     the rows written."""
 
@@ -98,40 +98,38 @@ class DecodeStep:
         self.n_layer = len(self.layer_groups[0])
         self.kernels = kernels
 
-    def attend(self, i: int, q: mx.array, k: mx.array, v: mx.array, gate: Slice) -> mx.array:
-        """Layer i: q (B, n_head, hd) f32, k, v (n_kv, B, hd) f16 -> the gated attention (B, n_head*hd).
+    def attend(self, i: int, q: mx.array, kv: mx.array, gate: Slice) -> mx.array:
+        """Layer i: q (B, n_head, hd) f32, kv (2, n_kv, B, hd) f16 K|V -> the gated attention (B, n_head*hd).
 
         With B = 1 the arrays go to the scatter and the kernel as they are: each slice, reshape or
         integer index would be a node per layer that the compiled step rebuilds every token, and
         an integer index is a gather launch (revision ebd927c had ~8 such nodes a layer, 2 of them
-        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md). With B > 1 k
-        and v are split into their B rows by one node each (mx.split: one primitive, B outputs)
-        for the B writes, and q goes whole to one launch over the B sequences' storage."""
+        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md). With B > 1 kv
+        is split into its B rows by one node (mx.split: one primitive, B outputs) for the B
+        writes, and q goes whole to one launch over the B sequences' storage."""
         n_head, hd = q.shape[1:]
-        ks, vs = ([k], [v]) if self.B == 1 else (mx.split(k, self.B, axis=1), mx.split(v, self.B, axis=1))
+        kvs = [kv] if self.B == 1 else mx.split(kv, self.B, axis=2)
         groups = [self.layer_groups[b][i] for b in range(self.B)]
         for b, gi in enumerate(groups):
-            s = 2 * (b * self.n_layer + i)
-            self.state[s] = mx.put_along_axis(self.state[s], self.rows[b][gi], ks[b], axis=1)
-            self.state[s + 1] = mx.put_along_axis(self.state[s + 1], self.rows[b][gi], vs[b], axis=1)
-        keys, values = self.state[2 * i::2 * self.n_layer], self.state[2 * i + 1::2 * self.n_layer]
+            s = b * self.n_layer + i
+            self.state[s] = mx.put_along_axis(self.state[s], self.rows[b][gi], kvs[b], axis=2)
+        storage = self.state[i::self.n_layer]
         if self.B == 1:
             gi = groups[0]
-            return self.kernels.decode_attention(q, keys[0], values[0], self.params[gi], self.chunks[gi],
-                                                 self.splits[gi], gate=gate.array, gate_offset=gate.offset,
-                                                 out_shape=(1, n_head * hd))
+            return self.kernels.decode_attention(q, storage[0], self.params[gi], self.chunks[gi], self.splits[gi],
+                                                 gate=gate.array, gate_offset=gate.offset, out_shape=(1, n_head * hd))
         if len(set(groups)) == 1:
             gi = groups[0]
-            return self.kernels.decode_attention_seqs(q, keys, values, self.params[gi], self.chunks[gi],
-                                                      self.splits[gi], gate=gate.array, gate_offset=gate.offset)
+            return self.kernels.decode_attention_seqs(q, storage, self.params[gi], self.chunks[gi], self.splits[gi],
+                                                      gate=gate.array, gate_offset=gate.offset)
         qs = mx.split(q, self.B, axis=0)
         return mx.concatenate([self.kernels.decode_attention(
-            qs[b], keys[b], values[b], self.params[gi][b], self.chunks[gi], self.splits[gi], gate=gate.array,
+            qs[b], storage[b], self.params[gi][b], self.chunks[gi], self.splits[gi], gate=gate.array,
             gate_offset=b * gate.array.shape[-1] + gate.offset, out_shape=(1, n_head * hd))
             for b, gi in enumerate(groups)], axis=0)
 
     def layer_state(self, i: int) -> list[mx.array]:
-        return [a for b in range(self.B) for a in self.state[2 * (b * self.n_layer + i):2 * (b * self.n_layer + i) + 2]]
+        return self.state[i::self.n_layer]
 
 
 # The f16 products cannot overflow: |y_n| = |sum_k w_nk x_k| <= max|x| * sum_k |w_nk|, so each row of

@@ -117,22 +117,20 @@ class ChunkStep:
         self.scale = 1.0 / float(np.sqrt(g.head_dim))
         self.attend_rows = attend_rows or (lambda q, k, v, qp, kp, w: attention(q, k, v, qp, kp, w, self.scale))
 
-    def attend(self, i: int, q: mx.array, k: mx.array, v: mx.array, gate: Slice) -> mx.array:
-        """Layer i: q (B*T, n_head, hd) f32, k, v (n_kv, B*T, hd) in the cache's dtype -> the gated
-        attention output softmax(q K^T / sqrt(hd)) V * sigmoid(gate), (B*T, n_head * hd)."""
+    def attend(self, i: int, q: mx.array, kv: mx.array, gate: Slice) -> mx.array:
+        """Layer i: q (B*T, n_head, hd) f32, kv (2, n_kv, B*T, hd) K|V in the cache's dtype -> the
+        gated attention output softmax(q K^T / sqrt(hd)) V * sigmoid(gate), (B*T, n_head * hd)."""
         T, outs = self.T, []
         window = self.g.sliding_window if self.g.is_swa(i) else None
         for b, cache in enumerate(self.caches):
             layer = cache.layers[i]
-            k_new = k if len(self.caches) == 1 else k[:, b * T:(b + 1) * T]
-            v_new = v if len(self.caches) == 1 else v[:, b * T:(b + 1) * T]
-            old_k, old_v, old_pos = layer.view()
+            kv_new = kv if len(self.caches) == 1 else kv[:, :, b * T:(b + 1) * T]
+            old, old_pos = layer.view()
             positions = np.arange(layer.offset, layer.offset + T, dtype=np.int64)
-            keys = mx.concatenate([old_k, k_new], axis=1)
-            values = mx.concatenate([old_v, v_new], axis=1)
+            rows = mx.concatenate([old, kv_new], axis=2)
             k_pos = np.concatenate([old_pos, positions])
-            layer.append(k_new, v_new)
-            outs.append(self.attend_rows(q[b * T:(b + 1) * T], keys, values, positions, k_pos, window))
+            layer.append(kv_new)
+            outs.append(self.attend_rows(q[b * T:(b + 1) * T], rows[0], rows[1], positions, k_pos, window))
         a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return output_gate(a, gate.dense())
 
@@ -191,10 +189,10 @@ class ReferenceOps:
         return self.project(w, silu_mul(gate.dense(), up.dense()))
 
     def qk_post(self, q: Slice, k: Slice, v: Slice, q_norm: mx.array, k_norm: mx.array, rope: mx.array,
-                rope_half: int, g: Geometry, kv_dtype) -> tuple[mx.array, mx.array, mx.array]:
+                rope_half: int, g: Geometry, kv_dtype) -> tuple[mx.array, mx.array]:
         """Per-head RMSNorm of q and k, RoPE on the first 2*rope_half dims (0: NoPE), k and v
         rounded to the cache's dtype. rope (rows, 2*rope_half): cos then sin of each row's angles.
-        -> q (rows, n_head, hd) f32, k and v (n_kv, rows, hd) in kv_dtype: the cache's layout."""
+        -> q (rows, n_head, hd) f32, K|V (2, n_kv, rows, hd) in kv_dtype: the cache's layout."""
         rows = q.array.shape[0]
         qh = rms_norm(q.dense().reshape(rows, g.n_head, g.head_dim), q_norm, g.rms_eps)
         kh = rms_norm(k.dense().reshape(rows, g.n_head_kv, g.head_dim), k_norm, g.rms_eps)
@@ -202,7 +200,7 @@ class ReferenceOps:
             cos, sin = rope[:, :rope_half], rope[:, rope_half:2 * rope_half]
             qh, kh = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)
         vh = v.dense().reshape(rows, g.n_head_kv, g.head_dim)
-        return qh, kh.transpose(1, 0, 2).astype(kv_dtype), vh.transpose(1, 0, 2).astype(kv_dtype)
+        return qh, mx.stack([kh, vh]).transpose(0, 2, 1, 3).astype(kv_dtype)
 
     def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps_post: float,
                       eps_next: float) -> tuple[mx.array, mx.array]:

@@ -194,7 +194,7 @@ def kv_identity(cache, llama_state: dict, geometry) -> list[float]:
     fractions = [None] * geometry.n_layer
     for kind, ids in (("full", full), ("sliding", swa)):
         for il, cells in zip(ids, llama_state[kind]):
-            k, v, positions = cache.layers[il].view()
+            (k, v), positions = cache.layers[il].view()
             row_of = {int(p): i for i, p in enumerate(positions)}
             missing = [int(p) for p in cells["positions"] if int(p) not in row_of]
             if missing:

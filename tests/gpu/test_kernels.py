@@ -417,7 +417,7 @@ def test_matvec_float(qtype):
 def attend(q, keys, values, n_valid, chunk, splits=None, config=KernelConfig(), **kw):
     splits = splits or -(-n_valid // chunk)
     kernels = KERNELS if config == KernelConfig() else Kernels(gpu_device(), config)
-    return np.array(kernels.decode_attention(q, keys, values, plan.attention_params(n_valid, chunk, splits), chunk,
+    return np.array(kernels.decode_attention(q, mx.stack([keys, values]), plan.attention_params(n_valid, chunk, splits), chunk,
                                              splits, init_value=float("nan"), **kw))
 
 
@@ -511,13 +511,13 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     values = [mx.array(rng.standard_normal((n_kv, cap, hd)).astype(np.float16)) for _ in range(seqs)]
     gate = (rng.standard_normal((seqs, 24 + n_head * hd)) * 3).astype(np.float32) if gated else None
     gate_kw = {} if gate is None else {"gate": mx.array(gate), "gate_offset": 24}
-    out = np.array(KERNELS.decode_attention_seqs(mx.array(q), keys, values,
+    out = np.array(KERNELS.decode_attention_seqs(mx.array(q), [mx.stack(kv) for kv in zip(keys, values)],
                                                  plan.attention_params_rows(list(n_valids), chunk, splits), chunk,
                                                  splits, init_value=float("nan"), **gate_kw))
     worst, bitwise = 0.0, True
     for s, n in enumerate(n_valids):
         solo_kw = {} if gate is None else {"gate": mx.array(gate[s]), "gate_offset": 24}
-        alone = np.array(KERNELS.decode_attention(mx.array(q[s]), keys[s], values[s],
+        alone = np.array(KERNELS.decode_attention(mx.array(q[s]), mx.stack([keys[s], values[s]]),
                                                   plan.attention_params(n, chunk, splits), chunk, splits,
                                                   out_shape=(1, n_head * hd), init_value=float("nan"), **solo_kw))
         bitwise &= bool(np.array_equal(out[s:s + 1], alone))
@@ -608,9 +608,10 @@ def test_qk_post(n_head, n_kv, hd, rope_half, rows):
     rope = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
     eps = 1e-3
     qk = mx.array(np.concatenate([q, k, rng.standard_normal((rows, 7)).astype(np.float32)], axis=1))  # stacked
-    qo, ko, vo = KERNELS.qk_post(qk, qk, mx.array(v), mx.array(qn), mx.array(kn), mx.array(rope),
-                                 rope_half, eps, n_head, n_kv, hd,
-                                 offsets=(0, n_head * hd, 0), init_value=float("nan"))
+    qo, kvo = KERNELS.qk_post(qk, qk, mx.array(v), mx.array(qn), mx.array(kn), mx.array(rope),
+                              rope_half, eps, n_head, n_kv, hd,
+                              offsets=(0, n_head * hd, 0), init_value=float("nan"))
+    ko, vo = kvo[0], kvo[1]
     eq, worst_k, v_exact = 0.0, 0.0, True
     for r in range(rows):
         def rotate(x):  # (heads, hd), the reference's apply_rope on adjacent pairs
