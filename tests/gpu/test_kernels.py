@@ -710,8 +710,8 @@ def test_disk_cache_rebuilds_mlx_source(case):
                                 ("K_OFF", 0), ("V_OFF", 0), ("QS", 512), ("KS", 128), ("VS", 128), ("ROWS", 1),
                                 ("EPS", float_bits(1e-6))],
                       grid=(6 * 128, 1, 1), threadgroup=(128, 1, 1),
-                      output_shapes=[(1, 4, 128), (1, 1, 128), (1, 1, 128)],
-                      output_dtypes=[mx.float32, mx.float16, mx.float16], stream=mx.gpu)
+                      output_shapes=[(1, 4, 128), (2, 1, 1, 128)],
+                      output_dtypes=[mx.float32, mx.float16], stream=mx.gpu)
     kernel = source.build(name, "cuda")
     printed_name, printed = _mlx_printed_source(lambda: kernel(inputs=inputs, verbose=True, **launch))
     _, _, input_names, output_names = source.KERNELS[name]

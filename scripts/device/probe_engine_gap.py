@@ -1,0 +1,122 @@
+"""Where the engine loop's time over the packed step goes (issue 16: at 5be8c66 the server's engine
+loop, slots.Scheduler, ran 4-8 % under the packed step, bench_serving --batch, at B = 1..4).
+
+One process, one model, B caches of `--depth` random rows (SlotCache.fill_random); each variant
+decodes `--tokens` tokens for the B sequences, pipelined, and is timed in turn, interleaved over
+`--reps` passes (tok/s aggregate):
+
+  packed     argmax of the (B, vocab) logits, fed back lazily; nothing read until the end
+             (bench_serving's batch cell)
+  read1      the same, and after submitting step k+1 the host reads step k's B tokens (one
+             array, one readback a step: the engine's sync alone)
+  picks      per sequence the engine's own lazy picks (Sampler.token on its row, all_finite), fed
+             back by one concatenate, read one scalar at a time with .item() (2B reads a step):
+             slots.Scheduler._decode without its Python per token
+  picks1     the same picks, stacked before the step is submitted into one (B, 2) int32 array
+             read once a step
+
+Usage: python scripts/device/probe_engine_gap.py MODEL.gguf OUT.json [--batch 1,2,4] [--depth 512]
+       [--tokens 64] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from muse_mlx.artifact import open_artifact  # noqa: E402
+from muse_mlx.model import Model  # noqa: E402
+from muse_mlx.sampling import Sampler, SamplerSettings, all_finite  # noqa: E402
+from muse_mlx.tools.receipts import make_receipt  # noqa: E402
+
+
+def packed(model, caches, tokens, read_each):
+    B = len(caches)
+    tok = mx.zeros((B, 1), dtype=mx.int32)
+    mx.eval(tok)
+    prev = None
+    for _ in range(tokens):
+        tok = mx.argmax(model(tok, caches)[:, -1], axis=-1).astype(mx.int32).reshape(B, 1)
+        mx.async_eval(tok)
+        if read_each and prev is not None:
+            np.array(prev)
+        prev = tok
+    mx.eval(tok)
+
+
+def picks(model, caches, tokens, stacked):
+    B = len(caches)
+    samplers = [Sampler(SamplerSettings()) for _ in range(B)]
+    logits = model(mx.zeros((B, 1), dtype=mx.int32), caches)
+    nxt = [(samplers[b].token(logits[b, 0]), all_finite(logits[b, 0])) for b in range(B)]
+    readback = mx.stack([mx.stack([t.astype(mx.int32), f.astype(mx.int32)]) for t, f in nxt]) if stacked else None
+    mx.async_eval([x for p in nxt for x in p], *([readback] if stacked else []))
+    for _ in range(tokens):
+        fed = mx.concatenate([t.reshape(1, 1).astype(mx.int32) for t, _ in nxt])
+        logits = model(fed, caches)
+        following = [(samplers[b].token(logits[b, 0]), all_finite(logits[b, 0])) for b in range(B)]
+        rb_next = mx.stack([mx.stack([t.astype(mx.int32), f.astype(mx.int32)]) for t, f in following]) \
+            if stacked else None
+        mx.async_eval([x for p in following for x in p], *([rb_next] if stacked else []))
+        if stacked:
+            values = np.array(readback)
+            assert values.shape == (B, 2)
+        else:
+            for t, f in nxt:
+                int(t.item())
+                bool(f.item())
+        nxt, readback = following, rb_next
+    mx.eval([x for p in nxt for x in p])
+
+
+VARIANTS = {"packed": lambda m, c, n: packed(m, c, n, False), "read1": lambda m, c, n: packed(m, c, n, True),
+            "picks": lambda m, c, n: picks(m, c, n, False), "picks1": lambda m, c, n: picks(m, c, n, True)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--batch", default="1,2,4")
+    p.add_argument("--depth", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    model = Model(open_artifact(args.model))
+    cells = []
+    for B in [int(b) for b in args.batch.split(",")]:
+        caches = [model.make_cache(args.depth + (args.reps * len(VARIANTS) + 2) * (args.tokens + 1) + 8)
+                  for _ in range(B)]
+        for c in caches:
+            c.fill_random(args.depth)
+        samples = {v: [] for v in VARIANTS}
+        for name, run in VARIANTS.items():   # warm-up: every trace and kernel of this B
+            run(model, caches, 4)
+        for _ in range(args.reps):
+            for name, run in VARIANTS.items():
+                t = time.perf_counter()
+                run(model, caches, args.tokens)
+                samples[name].append(B * args.tokens / (time.perf_counter() - t))
+        for name, s in samples.items():
+            print(f"B={B} {name:>7}: {np.mean(s):.1f} tok/s aggregate ({', '.join(f'{x:.1f}' for x in s)}); "
+                  f"depth {args.depth}..{caches[0].offset}", flush=True)
+            cells.append({"batch": B, "variant": name, "tok_s": s, "depth_start": args.depth})
+        del caches
+    receipt = make_receipt("research/engine-gap", inputs={"model": args.model, "batch": args.batch,
+                                                          "depth": args.depth, "tokens": args.tokens, "reps": args.reps},
+                           metrics={"cells": cells}, synthetic=True,
+                           notes=["K/V rows random (SlotCache.fill_random); the depth grows through the passes"])
+    Path(args.out).write_text(json.dumps(receipt, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
