@@ -317,6 +317,31 @@ def test_batched_decode_equals_each_sequence_alone(tmp_path, capacities):
             assert np.array_equal(np.array(x), np.array(y))
 
 
+def test_decode_step_writes_one_kv_row_a_sequence_a_layer(tmp_path, monkeypatch):
+    """K and V of a layer share one storage array (kv.py), so the compiled step writes a token's
+    K|V row of each sequence with one scatter a layer: n_layer x B writes a step, each of one
+    (2, n_kv, 1, hd) row (two arrays took twice as many, each a launch and a node the host
+    replays; docs/ledger.md 2026-12-04). Counted as the step is traced."""
+    g = DEFAULT_GEOMETRY
+    path = write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=5)
+    model = Model(open_artifact(path), GpuOps(StandIns()))
+    caches = [model.make_cache(64) for _ in range(2)]
+    for c, n in zip(caches, (3, 9)):
+        model.prefill(mx.array(np.arange(n) % g.n_vocab), c)
+    writes, put = [], mx.put_along_axis
+
+    def counted(a, indices, values, axis=None):
+        writes.append((a.shape, values.shape, axis))
+        return put(a, indices, values, axis=axis)
+    monkeypatch.setattr(mx, "put_along_axis", counted)
+    logits = model(mx.array([[1], [2]]), caches)
+    assert np.isfinite(np.array(logits)).all()
+    assert len(writes) == g.n_layer * 2
+    assert {w[1:] for w in writes} == {((2, g.n_head_kv, 1, g.head_dim), 2)}
+    assert all(shape[:2] == (2, g.n_head_kv) for shape, _, _ in writes)
+    assert [c.offset for c in caches] == [4, 10]
+
+
 def test_compiled_steps_are_freed_with_the_model(f32_fixture):
     """A model's compiled steps do not keep it alive (no reference cycle through them): a full
     model is ~17 GB, freed at `del`, not at the next garbage collection."""
