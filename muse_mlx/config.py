@@ -18,6 +18,10 @@ class KernelConfig:
 
     ring_chunk, plane_chunk: K/V rows per split of the decode attention over a sliding ring /
         a full layer's plane (more splits: more threadgroups, shorter chains, more to combine).
+    plane_splits_min: 0 = a plane's splits are always plane_chunk rows; n > 0 = halve them (down to
+        ring_chunk) while the rows visible would take fewer than n splits (plan.plane_chunk: at a
+        few hundred rows 128-row splits give a grid of 10 threadgroups a sequence, each a chain
+        of 16 loads of 8 rows; an experiment until measured, docs/ledger.md 2026-12-04).
     combine_warps: simdgroups merging one query head's splits; 0 = scaled with the splits (one
         per 16, 4..32).
     stream_groups: threadgroups of a streaming matvec; 0 = from the device (its multiprocessors
@@ -89,6 +93,7 @@ class KernelConfig:
 
     ring_chunk: int = 32
     plane_chunk: int = 128
+    plane_splits_min: int = 0
     combine_warps: int = 0
     stream_groups: int = 0
     stream_batch: int = 4
@@ -106,7 +111,8 @@ class KernelConfig:
     weights_staged: int = 1
 
     def __post_init__(self):
-        limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "combine_warps": (0, 32),
+        limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "plane_splits_min": (0, 1024),
+                  "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),

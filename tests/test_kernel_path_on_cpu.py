@@ -43,6 +43,7 @@ class StandIns(Kernels):
         super().__init__(Device("cuda", 132), config)
         self.attention_splits, self.silu_calls, self.glue_rows, self.silu_rows = [], 0, [], []
         self.attention_launches_seqs = []   # sequences of each one-launch attention over several
+        self.attention_chunks = []   # (rows per split, storage rows) of each attention traced
         self.dequantized = []
         self.flash_rows = []   # queries of each flash prefill attention
 
@@ -89,6 +90,7 @@ class StandIns(Kernels):
         n_head, hd = q.shape[-2:]
         keys, values = kv[0], kv[1]
         self.attention_splits.append(splits)
+        self.attention_chunks.append((chunk, kv.shape[2]))
         params = params.reshape(-1)
         visible = mx.arange(keys.shape[1]) < mx.minimum(params[0], params[1] * chunk)
         k, v = keys.astype(mx.float32), values.astype(mx.float32)
@@ -154,6 +156,24 @@ def test_gpu_ops_match_the_reference_backend(tmp_path, f32_fixture, layout):
     for a, b in zip(cache.state(), ref_cache.state()):  # the same rows written where they belong
         assert np.array_equal(np.array(a) != 0, np.array(b) != 0)
         assert np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max() < 2e-2
+
+
+def test_plane_splits_min_halves_the_planes_rows_per_split(f32_fixture):
+    """KernelConfig.plane_splits_min: a plane's rows per split halved (not below ring_chunk) while
+    its rows visible would take fewer splits; the rings keep theirs. Decoding from depth 103 to
+    past 128 rows takes the planes from 8- to 16-row splits (plane_chunk 64, ring_chunk 8, at
+    least 8 splits), and the logits still match the reference backend."""
+    g = DEFAULT_GEOMETRY
+    tokens = np.random.default_rng(6).integers(0, g.n_vocab, 103 + 40)
+    config = KernelConfig(prefill_f16=0, ring_chunk=8, plane_chunk=64, plane_splits_min=8)
+    kernels = StandIns(config)
+    ours, cache, _ = run(f32_fixture, tokens, 103, GpuOps(kernels))
+    ref, _, _ = run(f32_fixture, tokens, 103, ReferenceOps())
+    planes = {chunk for chunk, rows in kernels.attention_chunks if rows == cache.context}
+    rings = {chunk for chunk, rows in kernels.attention_chunks if rows != cache.context}
+    assert planes == {8, 16} and rings == {8}, (planes, rings)
+    d = np.abs(log_softmax(ours) - log_softmax(ref))
+    assert d.max() < 2e-3 and (ours.argmax(-1) == ref.argmax(-1)).all(), d.max()
 
 
 # llama.cpp's own distance from the float64 oracle on the default fixture's weights in its F16 lane

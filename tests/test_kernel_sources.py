@@ -357,6 +357,17 @@ def test_attention_splits_cover_the_rows_and_change_rarely():
         plan.attention_params(300, 32, 9)
 
 
+def test_plane_chunk_halves_while_the_splits_are_few():
+    """plan.plane_chunk: plane_chunk rows a split unless plane_splits_min asks for more splits,
+    then halved down to ring_chunk at most; 0 leaves plane_chunk at every depth."""
+    on = KernelConfig(ring_chunk=32, plane_chunk=128, plane_splits_min=16)
+    # 600 rows: 5 splits of 128, 10 of 64, 19 of 32; 1,023: 8 of 128, 16 of 64; 2,047: 16 of 128
+    assert [plan.plane_chunk(n, on) for n in (1, 600, 1023, 1100, 2047, 2100, 131072)] == \
+        [32, 32, 64, 64, 128, 128, 128]
+    assert {plan.plane_chunk(n, KernelConfig()) for n in (1, 600, 131072)} == {KernelConfig().plane_chunk}
+    assert plan.plane_chunk(5, KernelConfig(ring_chunk=48, plane_chunk=128, plane_splits_min=16)) == 64
+
+
 def test_combine_warps_scale_with_the_splits():
     """0 (the default): one simdgroup per 16 splits, between 4 and 32; a number is taken as given."""
     auto = KernelConfig()

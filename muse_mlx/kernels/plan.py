@@ -314,6 +314,17 @@ def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> mx.ar
     return mx.array(rows)
 
 
+def plane_chunk(n_valid: int, config: KernelConfig) -> int:
+    """Rows per split of a plane's decode attention over n_valid rows: config.plane_chunk, halved
+    (not below config.ring_chunk) while n_valid would take fewer than config.plane_splits_min
+    splits (0: never). Few values (one a doubling of the depth up to plane_chunk), so few traces."""
+    chunk = config.plane_chunk
+    while config.plane_splits_min and chunk // 2 >= config.ring_chunk \
+            and -(-n_valid // chunk) < config.plane_splits_min:
+        chunk //= 2
+    return chunk
+
+
 def attention_splits(n_valid: int, chunk: int, capacity: int) -> int:
     """A split count for n_valid rows that stays the same over many tokens, for a compiled step
     (whose grids are fixed at trace time): the fewest splits, rounded up to a multiple of a

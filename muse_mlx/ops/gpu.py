@@ -51,7 +51,8 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
     """The next token's DecodePlan. Layers whose storage has one kind and capacity (the rings;
     the planes) form a group that shares a row index and a parameter array; a group's split
     count is the largest any sequence needs (the others' extra splits weigh zero), rounded
-    up (plan.attention_splits) so that one trace serves many tokens. The layers of one cache
+    up (plan.attention_splits) so that one trace serves many tokens; a plane group's rows per
+    split from the deepest sequence's rows (plan.plane_chunk). The layers of one cache
     are at one offset, so each group's first layer speaks for the group (this runs once a
     token: a loop over groups, not over the layers)."""
     config = kernels.config
@@ -62,8 +63,10 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
         layer_groups.append(ids)
         firsts.append({gi: cache.layers[ids.index(gi)] for gi in set(ids)})
     kinds = list(groups)
-    chunks = tuple(config.ring_chunk if ring else config.plane_chunk for ring, _ in kinds)
     n_valid = [{gi: min(layer.offset + 1, layer.capacity) for gi, layer in first.items()} for first in firsts]
+    chunks = tuple(config.ring_chunk if ring else
+                   kplan.plane_chunk(max(valid[gi] for valid in n_valid if gi in valid), config)
+                   for gi, (ring, _) in enumerate(kinds))
     splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
                    for gi in range(len(kinds)))
     arrays = []
