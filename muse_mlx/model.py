@@ -250,15 +250,15 @@ class Model(nn.Module):
         for cache in caches:
             cache.check_room(T)
         positions = np.concatenate([np.arange(c.offset, c.offset + T, dtype=np.int64) for c in caches])
-        rope = mx.array(self._rope.rows(positions))
-        kv = self._ops.kv_step(self.geometry, caches, T)
+        rope_rows = self._rope.rows(positions)
+        kv = self._ops.kv_step(self.geometry, caches, T, rope_rows)
         if kv.compiled:   # a DecodePlan: the forward compiled for its key
-            logits, *state = self._compiled_step(kv.key)(tokens, rope, *kv.arrays)
+            logits, *state = self._compiled_step(kv.key)(tokens, kv.rope, *kv.arrays)
             for b, cache in enumerate(caches):
                 n = len(cache.layers)
                 cache.rebind(state[b * n:(b + 1) * n], T)
         else:
-            logits = self.forward(tokens, rope, kv, caches[0].dtype, last_only)
+            logits = self.forward(tokens, mx.array(rope_rows), kv, caches[0].dtype, last_only)
         self._ops.ready()
         return logits
 

@@ -38,23 +38,42 @@ class DecodePlan(NamedTuple):
     """What the compiled decode step over B sequences needs from the host for one token.
 
     key: the trace key (B; per sequence, the group of each layer; per group, the attention's
-    rows per split and split count, trace constants); arrays: per sequence and group, the row
-    to write (int32 shaped like a row of K|V, (2, n_kv, 1, hd): put_along_axis's indices), then
-    per group the attention parameters of the B sequences (plan.attention_params_rows, (B, 8)),
-    then every cache's storage (SlotCache.state order: one K|V array a layer)."""
+    rows per split and split count, trace constants); rope: cos|sin of each sequence's angles (B,
+    rope width); arrays: per sequence and group, the row to write (int32 shaped like a row of
+    K|V, (2, n_kv, 1, hd): put_along_axis's indices), then per group the attention parameters of
+    the B sequences (plan.attention_params_table, (B, 8)), then every cache's storage
+    (SlotCache.state order: one K|V array a layer). With KernelConfig.one_upload, rope, the rows
+    and the parameters are views of one array made from the host (one_upload)."""
     key: tuple
+    rope: mx.array
     arrays: list
     compiled: bool = True
 
 
-def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
-    """The next token's DecodePlan. Layers whose storage has one kind and capacity (the rings;
-    the planes) form a group that shares a row index and a parameter array; a group's split
-    count is the largest any sequence needs (the others' extra splits weigh zero), rounded
-    up (plan.attention_splits) so that one trace serves many tokens; a plane group's rows per
-    split from the deepest sequence's rows (plan.plane_chunk). The layers of one cache
-    are at one offset, so each group's first layer speaks for the group (this runs once a
-    token: a loop over groups, not over the layers)."""
+def one_upload(pieces: list[np.ndarray]) -> list[mx.array]:
+    """Host arrays of 4-byte int32 / float32 items -> MLX arrays of the same shapes and dtypes,
+    views of one array made from the host. On CUDA MLX puts every host-made array in managed
+    memory, which the GPU's first read migrates: one array a token is one such read, where an
+    array a piece is 2B + 3 of them (each view costs the step's graph a slice, a reshape and,
+    for float32, a view)."""
+    flat = np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.int32) for p in pieces])
+    whole = mx.array(flat)
+    out, at = [], 0
+    for p in pieces:
+        a = whole[at:at + p.size].reshape(p.shape)
+        out.append(a.view(mx.float32) if p.dtype == np.float32 else a)
+        at += p.size
+    return out
+
+
+def decode_plan(caches: list[SlotCache], kernels: Kernels, rope_rows: np.ndarray) -> DecodePlan:
+    """The next token's DecodePlan (rope_rows: the sequences' cos|sin rows). Layers whose storage
+    has one kind and capacity (the rings; the planes) form a group that shares a row index and a
+    parameter array; a group's split count is the largest any sequence needs (the others' extra
+    splits weigh zero), rounded up (plan.attention_splits) so that one trace serves many tokens;
+    a plane group's rows per split from the deepest sequence's rows (plan.plane_chunk). The
+    layers of one cache are at one offset, so each group's first layer speaks for the group
+    (this runs once a token: a loop over groups, not over the layers)."""
     config = kernels.config
     groups: dict[tuple, int] = {}
     layer_groups, firsts = [], []   # per cache: the group of each layer; group -> its first layer
@@ -69,18 +88,19 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels) -> DecodePlan:
                    for gi, (ring, _) in enumerate(kinds))
     splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
                    for gi in range(len(kinds)))
-    arrays = []
+    pieces = [rope_rows.astype(np.float32, copy=False)]
     for cache, first in zip(caches, firsts):
         _, n_kv, _, head_dim = cache.layers[0].kv.shape
         for gi in range(len(kinds)):
             row = first[gi].next_row if gi in first else 0
-            arrays.append(mx.array(np.full((2, n_kv, 1, head_dim), row, dtype=np.int32)))
+            pieces.append(np.full((2, n_kv, 1, head_dim), row, dtype=np.int32))
     for gi in range(len(kinds)):
-        arrays.append(kplan.attention_params_rows([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
-                                                  splits[gi]))
+        pieces.append(kplan.attention_params_table([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
+                                                   splits[gi]))
+    rope, *arrays = one_upload(pieces) if config.one_upload else [mx.array(p) for p in pieces]
     for cache in caches:
         arrays += cache.state()
-    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), arrays)
+    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), rope, arrays)
 
 
 class DecodeStep:
@@ -312,13 +332,13 @@ class GpuOps(ReferenceOps):
         self.kernels.ready()
         self._in_flight.clear()   # the forward's outputs are evaluated next, which waits for them all
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray):
         f16 = all(c.dtype == mx.float16 for c in caches)
         if T == 1 and f16:
-            return decode_plan(caches, self.kernels)
+            return decode_plan(caches, self.kernels, rope_rows)
         if f16 and len(caches) * T > kplan.MAX_BATCH and self.flash_prefill(g):
             return ChunkStep(g, caches, T, self._flash_rows)
-        return super().kv_step(g, caches, T)
+        return super().kv_step(g, caches, T, rope_rows)
 
     def flash_prefill(self, g: Geometry) -> bool:
         """Whether a long chunk's attention takes _flash_rows (MLX's fused attention or the flash

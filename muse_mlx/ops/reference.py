@@ -209,9 +209,10 @@ class ReferenceOps:
         r = x + rms_norm(f, w_post, eps_post)
         return r, rms_norm(r, w_next, eps_next)
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int):
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray):
         """How this forward reaches the caches: a ChunkStep (attend, in place), or on the GPU a
-        DecodePlan (`compiled`: the forward runs as the compiled decode step)."""
+        DecodePlan (`compiled`: the forward runs as the compiled decode step, with its `rope` made
+        from rope_rows, the tokens' cos|sin rows, among its other per-token arrays)."""
         return ChunkStep(g, caches, T)
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:
