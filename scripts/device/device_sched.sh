@@ -8,7 +8,7 @@
 #      configuration of CONFIGS ("tag:name=value,...;tag2:...", default "default:"), the
 #      configurations interleaved over PASSES passes (default 1): $OUT/sched-TAG-PASS.json / .log;
 #   2. llama-batched-bench -npp SCHED_PROMPT -ntg SCHED_TOKENS -npl SLOTS -fa on, the issue's
-#      anchor ($OUT/llama-batched-bench.jsonl / .err), after the first pass.
+#      anchor ($OUT/llama-batched-bench.jsonl / .err), after pass LLAMA_AFTER (default 1; 0: never).
 # Carry .device/revision. One tree: the checkout's (PYTHONSAFEPATH=1, so nothing else shadows it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,6 +36,6 @@ for pass in $(seq 1 "${PASSES:-1}"); do
       --kernel-config "$cfg" --receipt "$OUT/sched-$tag-$pass.json" > "$OUT/sched-$tag-$pass.log" 2>&1
     echo "[$tag, pass $pass] rc $?"; grep -E "^batch|^engine|rror" "$OUT/sched-$tag-$pass.log"
   done
-  [ "$pass" = 1 ] && llama
+  [ "$pass" = "${LLAMA_AFTER:-1}" ] && llama
 done
 bash scripts/device/pack_out.sh
