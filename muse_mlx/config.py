@@ -21,7 +21,8 @@ class KernelConfig:
     plane_splits_min: 0 = a plane's splits are always plane_chunk rows; n > 0 = halve them (down to
         ring_chunk) while the rows visible would take fewer than n splits (plan.plane_chunk: at a
         few hundred rows 128-row splits give a grid of 10 threadgroups a sequence, each a chain
-        of 16 loads of 8 rows; an experiment until measured, docs/ledger.md 2026-12-04).
+        of 16 loads of 8 rows). 16: the packed step at 512-640 rows +2.7 % at one row, +2.4 % at
+        two, against 0, in four interleaved passes (H200, 2abac51, ledger 2026-12-04).
     combine_warps: simdgroups merging one query head's splits; 0 = scaled with the splits (one
         per 16, 4..32).
     one_upload: 1 = a decode step's host-made arrays (its RoPE rows, row indices and attention
@@ -99,7 +100,7 @@ class KernelConfig:
 
     ring_chunk: int = 32
     plane_chunk: int = 128
-    plane_splits_min: int = 0
+    plane_splits_min: int = 16
     combine_warps: int = 0
     one_upload: int = 0
     stream_groups: int = 0

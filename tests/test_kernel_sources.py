@@ -364,7 +364,8 @@ def test_plane_chunk_halves_while_the_splits_are_few():
     # 600 rows: 5 splits of 128, 10 of 64, 19 of 32; 1,023: 8 of 128, 16 of 64; 2,047: 16 of 128
     assert [plan.plane_chunk(n, on) for n in (1, 600, 1023, 1100, 2047, 2100, 131072)] == \
         [32, 32, 64, 64, 128, 128, 128]
-    assert {plan.plane_chunk(n, KernelConfig()) for n in (1, 600, 131072)} == {KernelConfig().plane_chunk}
+    off = KernelConfig(plane_splits_min=0)
+    assert {plan.plane_chunk(n, off) for n in (1, 600, 131072)} == {off.plane_chunk}
     assert plan.plane_chunk(5, KernelConfig(ring_chunk=48, plane_chunk=128, plane_splits_min=16)) == 64
 
 
