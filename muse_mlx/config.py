@@ -21,16 +21,10 @@ class KernelConfig:
     plane_splits_min: 0 = a plane's splits are always plane_chunk rows; n > 0 = halve them (down to
         ring_chunk) while the rows visible would take fewer than n splits (plan.plane_chunk: at a
         few hundred rows 128-row splits give a grid of 10 threadgroups a sequence, each a chain
-        of 16 loads of 8 rows). 16: the packed step at 512-640 rows +2.7 % at one row, +2.4 % at
+        of 16 loads of 8 rows). 16: the packed step at 512-560 rows +2.9 % at one row, +2.5 % at
         two, against 0, in four interleaved passes (H200, 2abac51, ledger 2026-12-04).
     combine_warps: simdgroups merging one query head's splits; 0 = scaled with the splits (one
         per 16, 4..32).
-    one_upload: 1 = a decode step's host-made arrays (its RoPE rows, row indices and attention
-        parameters) as views of one array made from the host (ops.gpu.one_upload: on CUDA one
-        migration of managed memory a token, where there are 2B + 3), at the cost of a few graph
-        nodes each; 0 = an array each. An experiment until measured: ncu at 21c6331 still showed
-        the step's first `qk_post` at ~0.2 ms with it, and its end-to-end A/B (21d9c99) was
-        retracted (docs/ledger.md 2026-12-04).
     stream_groups: threadgroups of a streaming matvec; 0 = from the device (its multiprocessors
         times the groups that fit one by registers).
     stream_batch: rows of x one streaming matvec takes in threadgroup memory (a packed step over
@@ -102,7 +96,6 @@ class KernelConfig:
     plane_chunk: int = 128
     plane_splits_min: int = 16
     combine_warps: int = 0
-    one_upload: int = 0
     stream_groups: int = 0
     stream_batch: int = 4
     stream_batch_rf: int = 0
@@ -120,7 +113,7 @@ class KernelConfig:
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "plane_splits_min": (0, 1024),
-                  "combine_warps": (0, 32), "one_upload": (0, 1),
+                  "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),

@@ -42,28 +42,11 @@ class DecodePlan(NamedTuple):
     rope width); arrays: per sequence and group, the row to write (int32 shaped like a row of
     K|V, (2, n_kv, 1, hd): put_along_axis's indices), then per group the attention parameters of
     the B sequences (plan.attention_params_table, (B, 8)), then every cache's storage
-    (SlotCache.state order: one K|V array a layer). With KernelConfig.one_upload, rope, the rows
-    and the parameters are views of one array made from the host (one_upload)."""
+    (SlotCache.state order: one K|V array a layer)."""
     key: tuple
     rope: mx.array
     arrays: list
     compiled: bool = True
-
-
-def one_upload(pieces: list[np.ndarray]) -> list[mx.array]:
-    """Host arrays of 4-byte int32 / float32 items -> MLX arrays of the same shapes and dtypes,
-    views of one array made from the host. On CUDA MLX puts every host-made array in managed
-    memory, which the GPU's first read migrates: one array a token is one such read, where an
-    array a piece is 2B + 3 of them (each view costs the step's graph a slice, a reshape and,
-    for float32, a view)."""
-    flat = np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.int32) for p in pieces])
-    whole = mx.array(flat)
-    out, at = [], 0
-    for p in pieces:
-        a = whole[at:at + p.size].reshape(p.shape)
-        out.append(a.view(mx.float32) if p.dtype == np.float32 else a)
-        at += p.size
-    return out
 
 
 def decode_plan(caches: list[SlotCache], kernels: Kernels, rope_rows: np.ndarray) -> DecodePlan:
@@ -97,7 +80,7 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels, rope_rows: np.ndarray
     for gi in range(len(kinds)):
         pieces.append(kplan.attention_params_table([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
                                                    splits[gi]))
-    rope, *arrays = one_upload(pieces) if config.one_upload else [mx.array(p) for p in pieces]
+    rope, *arrays = [mx.array(p) for p in pieces]
     for cache in caches:
         arrays += cache.state()
     return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), rope, arrays)

@@ -3,7 +3,8 @@ loop, slots.Scheduler, ran 4-8 % under the packed step, bench_serving --batch, a
 
 One process, one model, B caches of `--depth` random rows (SlotCache.fill_random); each variant
 decodes `--tokens` tokens for the B sequences, pipelined, and is timed in turn, interleaved over
-`--reps` passes (tok/s aggregate):
+`--reps` passes (tok/s aggregate: B x the forwards a variant ran, the first logits' included, over
+its time):
 
   packed     argmax of the (B, vocab) logits, fed back lazily; nothing read until the end
              (bench_serving's batch cell)
@@ -14,9 +15,16 @@ decodes `--tokens` tokens for the B sequences, pipelined, and is timed in turn, 
              slots.Scheduler._decode without its Python per token
   picks1     the same picks, stacked before the step is submitted into one (B, 2) int32 array
              read once a step
+  picksT     picks, run in a thread of its own (as the Scheduler runs): MLX gives each thread
+             its own default stream, while the model's weights and compiled steps were made on
+             the main thread's
+  decode     slots.Scheduler._decode itself on B slots around the same caches: the picks, the
+             stream decoder, the stop matcher, an emit that does nothing (no stop ids, so no
+             slot ends)
+  decodeT    decode, in a thread of its own
 
 Usage: python scripts/device/probe_engine_gap.py MODEL.gguf OUT.json [--batch 1,2,4] [--depth 512]
-       [--tokens 64] [--reps 3]
+       [--tokens 64] [--reps 3] [--variants packed,decode,decodeT]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from muse_mlx.artifact import open_artifact  # noqa: E402
 from muse_mlx.model import Model  # noqa: E402
 from muse_mlx.sampling import Sampler, SamplerSettings, all_finite  # noqa: E402
+from muse_mlx.slots import Request, Scheduler, Slot, StopMatcher  # noqa: E402
+from muse_mlx.tokenizer import MuseTokenizer  # noqa: E402
 from muse_mlx.tools.receipts import make_receipt  # noqa: E402
 
 
@@ -50,6 +61,7 @@ def packed(model, caches, tokens, read_each):
             np.array(prev)
         prev = tok
     mx.eval(tok)
+    return tokens
 
 
 def picks(model, caches, tokens, stacked):
@@ -75,10 +87,66 @@ def picks(model, caches, tokens, stacked):
                 bool(f.item())
         nxt, readback = following, rb_next
     mx.eval([x for p in nxt for x in p])
+    return tokens + 1   # the first logits' forward too
 
 
-VARIANTS = {"packed": lambda m, c, n: packed(m, c, n, False), "read1": lambda m, c, n: packed(m, c, n, True),
-            "picks": lambda m, c, n: picks(m, c, n, False), "picks1": lambda m, c, n: picks(m, c, n, True)}
+class _NoStops:
+    """The tokenizer's stream decoder without stop ids: a random-weight model's greedy token may be
+    one, and a slot that ended would leave the step."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.stop_ids = tokenizer, set()
+
+    def streamer(self):
+        return self.tokenizer.streamer()
+
+
+def engine_decode(model, caches, tokens, tokenizer):
+    """Scheduler._decode over B slots built around `caches` (each slot as `_admit` and a finished
+    prefill leave it: a sampler, a stream decoder, a stop matcher, its logits)."""
+    sched = Scheduler(model, _NoStops(tokenizer), 1, 8)
+    sched.slots = [Slot(b, c) for b, c in enumerate(caches)]
+    logits = model(mx.zeros((len(caches), 1), dtype=mx.int32), caches)
+    for b, slot in enumerate(sched.slots):
+        slot.request = Request([], 1 << 30, SamplerSettings(), lambda e: None)
+        slot.sampler, slot.streamer, slot.stop = Sampler(slot.request.sampling), sched.tokenizer.streamer(), StopMatcher([])
+        slot.logits, slot.state = logits[b, 0], "decode"
+    for _ in range(tokens):
+        sched._decode(sched.slots)
+    mx.eval([x for s in sched.slots for x in (s.next or ()) if x is not None])
+    return tokens + 1
+
+
+def threaded(run):
+    """`run` in a thread of its own, waited for: its result, or its exception re-raised here."""
+    def go(model, caches, tokens):
+        out: list = []
+
+        def body():
+            try:
+                out.append(run(model, caches, tokens))
+                settle(caches)   # nor can the main thread evaluate what this one left lazy
+            except Exception as exc:
+                out.append(exc)
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        if isinstance(out[0], Exception):
+            raise out[0]
+        return out[0]
+    return go
+
+
+def settle(caches) -> None:
+    mx.eval([x for c in caches for x in c.state()])
+
+
+def variants(tokenizer) -> dict:
+    decode = lambda m, c, n: engine_decode(m, c, n, tokenizer)
+    pick = lambda m, c, n: picks(m, c, n, False)
+    return {"packed": lambda m, c, n: packed(m, c, n, False), "read1": lambda m, c, n: packed(m, c, n, True),
+            "picks": pick, "picks1": lambda m, c, n: picks(m, c, n, True), "picksT": threaded(pick),
+            "decode": decode, "decodeT": threaded(decode)}
 
 
 def main() -> int:
@@ -89,22 +157,28 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", default="", help="a comma-separated subset of the variants (default: all)")
     args = p.parse_args()
     model = Model(open_artifact(args.model))
+    VARIANTS = variants(MuseTokenizer(model.artifact.vocabulary))
+    if args.variants:
+        VARIANTS = {k: v for k, v in VARIANTS.items() if k in args.variants.split(",")}
     cells = []
     for B in [int(b) for b in args.batch.split(",")]:
-        caches = [model.make_cache(args.depth + (args.reps * len(VARIANTS) + 2) * (args.tokens + 1) + 8)
+        caches = [model.make_cache(args.depth + len(VARIANTS) * (args.reps * (args.tokens + 2) + 6) + 8)
                   for _ in range(B)]
         for c in caches:
             c.fill_random(args.depth)
         samples = {v: [] for v in VARIANTS}
         for name, run in VARIANTS.items():   # warm-up: every trace and kernel of this B
+            settle(caches)
             run(model, caches, 4)
         for _ in range(args.reps):
             for name, run in VARIANTS.items():
+                settle(caches)   # a thread cannot evaluate what another left lazy
                 t = time.perf_counter()
-                run(model, caches, args.tokens)
-                samples[name].append(B * args.tokens / (time.perf_counter() - t))
+                forwards = run(model, caches, args.tokens)
+                samples[name].append(B * forwards / (time.perf_counter() - t))
         for name, s in samples.items():
             print(f"B={B} {name:>7}: {np.mean(s):.1f} tok/s aggregate ({', '.join(f'{x:.1f}' for x in s)}); "
                   f"depth {args.depth}..{caches[0].offset}", flush=True)
