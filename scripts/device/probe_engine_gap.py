@@ -22,6 +22,9 @@ its time):
              stream decoder, the stop matcher, an emit that does nothing (no stop ids, so no
              slot ends)
   decodeT    decode, in a thread of its own
+  (decode and decodeT also print and record their host timeline: per step, the time from building
+  it to the first emit, which blocks on the step before, and the time between builds; a wait
+  near zero marks a step the host set, not the GPU)
 
 Usage: python scripts/device/probe_engine_gap.py MODEL.gguf OUT.json [--batch 1,2,4] [--depth 512]
        [--tokens 64] [--reps 3] [--variants packed,decode,decodeT]
@@ -101,19 +104,45 @@ class _NoStops:
         return self.tokenizer.streamer()
 
 
-def engine_decode(model, caches, tokens, tokenizer):
+class _Timed:
+    """The model, with the moment each forward's graph is built recorded (`_decode` submits it
+    right after, with the picks)."""
+
+    def __init__(self, model):
+        self.model, self.built = model, []
+
+    def __call__(self, *args):
+        out = self.model(*args)
+        self.built.append(time.perf_counter())
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def engine_decode(model, caches, tokens, tokenizer, host: list):
     """Scheduler._decode over B slots built around `caches` (each slot as `_admit` and a finished
-    prefill leave it: a sampler, a stream decoder, a stop matcher, its logits)."""
-    sched = Scheduler(model, _NoStops(tokenizer), 1, 8)
+    prefill leave it: a sampler, a stream decoder, a stop matcher, its logits). Appends to `host`
+    the run's host timeline: per `_decode` call k, the time from building step k to the first
+    slot's emit (`wait`: the submission, then `.item()` blocking until step k - 1 is done) and from
+    building step k to building step k + 1 (`period`), in ms. A wait near zero means the GPU
+    was done before the host asked: the host, not the GPU, set that step."""
+    timed = _Timed(model)
+    sched = Scheduler(timed, _NoStops(tokenizer), 1, 8)
     sched.slots = [Slot(b, c) for b, c in enumerate(caches)]
-    logits = model(mx.zeros((len(caches), 1), dtype=mx.int32), caches)
+    ready: list[float] = []
+    logits = timed(mx.zeros((len(caches), 1), dtype=mx.int32), caches)
     for b, slot in enumerate(sched.slots):
-        slot.request = Request([], 1 << 30, SamplerSettings(), lambda e: None)
+        emit = (lambda e: ready.append(time.perf_counter()) if "token" in e else None) if b == 0 else (lambda e: None)
+        slot.request = Request([], 1 << 30, SamplerSettings(), emit)
         slot.sampler, slot.streamer, slot.stop = Sampler(slot.request.sampling), sched.tokenizer.streamer(), StopMatcher([])
         slot.logits, slot.state = logits[b, 0], "decode"
     for _ in range(tokens):
         sched._decode(sched.slots)
     mx.eval([x for s in sched.slots for x in (s.next or ()) if x is not None])
+    built = timed.built[1:]   # built[k]: step k's, in _decode call k
+    host.append({"wait_ms": [1e3 * (r - b) for r, b in zip(ready, built)],
+                 "period_ms": [1e3 * (b1 - b0) for b0, b1 in zip(built, built[1:])]})
     return tokens + 1
 
 
@@ -141,12 +170,13 @@ def settle(caches) -> None:
     mx.eval([x for c in caches for x in c.state()])
 
 
-def variants(tokenizer) -> dict:
-    decode = lambda m, c, n: engine_decode(m, c, n, tokenizer)
+def variants(tokenizer, host: dict) -> dict:
+    """The variants by name; `decode` and `decodeT` append their host timelines to host[name]."""
+    decode = lambda name: lambda m, c, n: engine_decode(m, c, n, tokenizer, host.setdefault(name, []))
     pick = lambda m, c, n: picks(m, c, n, False)
     return {"packed": lambda m, c, n: packed(m, c, n, False), "read1": lambda m, c, n: packed(m, c, n, True),
             "picks": pick, "picks1": lambda m, c, n: picks(m, c, n, True), "picksT": threaded(pick),
-            "decode": decode, "decodeT": threaded(decode)}
+            "decode": decode("decode"), "decodeT": threaded(decode("decodeT"))}
 
 
 def main() -> int:
@@ -160,7 +190,8 @@ def main() -> int:
     p.add_argument("--variants", default="", help="a comma-separated subset of the variants (default: all)")
     args = p.parse_args()
     model = Model(open_artifact(args.model))
-    VARIANTS = variants(MuseTokenizer(model.artifact.vocabulary))
+    host: dict[str, list] = {}
+    VARIANTS = variants(MuseTokenizer(model.artifact.vocabulary), host)
     if args.variants:
         VARIANTS = {k: v for k, v in VARIANTS.items() if k in args.variants.split(",")}
     cells = []
@@ -173,6 +204,7 @@ def main() -> int:
         for name, run in VARIANTS.items():   # warm-up: every trace and kernel of this B
             settle(caches)
             run(model, caches, 4)
+        host.clear()
         for _ in range(args.reps):
             for name, run in VARIANTS.items():
                 settle(caches)   # a thread cannot evaluate what another left lazy
@@ -180,9 +212,17 @@ def main() -> int:
                 forwards = run(model, caches, args.tokens)
                 samples[name].append(B * forwards / (time.perf_counter() - t))
         for name, s in samples.items():
-            print(f"B={B} {name:>7}: {np.mean(s):.1f} tok/s aggregate ({', '.join(f'{x:.1f}' for x in s)}); "
-                  f"depth {args.depth}..{caches[0].offset}", flush=True)
-            cells.append({"batch": B, "variant": name, "tok_s": s, "depth_start": args.depth})
+            line = f"B={B} {name:>7}: {np.mean(s):.1f} tok/s aggregate ({', '.join(f'{x:.1f}' for x in s)}); " \
+                   f"depth {args.depth}..{caches[0].offset}"
+            cell = {"batch": B, "variant": name, "tok_s": s, "depth_start": args.depth}
+            if name in host:
+                wait = [w for run in host[name] for w in run["wait_ms"]]
+                period = [p for run in host[name] for p in run["period_ms"]]
+                cell["host"] = list(host[name])
+                line += (f"; host: step {np.median(period):.2f} ms, wait {np.median(wait):.2f} ms median, "
+                         f"{np.mean(np.array(wait) < 0.2):.0%} of steps waited < 0.2 ms")
+            print(line, flush=True)
+            cells.append(cell)
         del caches
     receipt = make_receipt("research/engine-gap", inputs={"model": args.model, "batch": args.batch,
                                                           "depth": args.depth, "tokens": args.tokens, "reps": args.reps},
