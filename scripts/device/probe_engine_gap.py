@@ -22,6 +22,10 @@ its time):
              stream decoder, the stop matcher, an emit that does nothing (no stop ids, so no
              slot ends)
   decodeT    decode, in a thread of its own
+  sched      the Scheduler as the server runs it: its thread's loop around _decode, the slots
+             set up on that thread, each request ending after the tokens (one Scheduler a B)
+  (the threaded variants run on one long-lived thread, as the server's: MLX keeps compiled
+  steps per thread)
   (decode and decodeT also print and record their host timeline: per step, the time from building
   it to the first emit, which blocks on the step before, and the time between builds; a wait
   near zero marks a step the host set, not the GPU)
@@ -37,6 +41,7 @@ import json
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -146,24 +151,59 @@ def engine_decode(model, caches, tokens, tokenizer, host: list):
     return tokens + 1
 
 
-def threaded(run):
-    """`run` in a thread of its own, waited for: its result, or its exception re-raised here."""
-    def go(model, caches, tokens):
-        out: list = []
+# One worker thread for every threaded variant, for the whole run: MLX keeps compiled functions
+# (and CUDA graphs) per thread, so a fresh thread a run would trace the step again each time,
+# which the server's one long-lived thread does once.
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-worker")
 
+
+def threaded(run):
+    """`run` on the worker thread, waited for: its result, or its exception re-raised here."""
+    def go(model, caches, tokens):
         def body():
-            try:
-                out.append(run(model, caches, tokens))
-                settle(caches)   # nor can the main thread evaluate what this one left lazy
-            except Exception as exc:
-                out.append(exc)
-        t = threading.Thread(target=body)
-        t.start()
-        t.join()
-        if isinstance(out[0], Exception):
-            raise out[0]
-        return out[0]
+            out = run(model, caches, tokens)
+            settle(caches)   # the main thread cannot evaluate what the worker left lazy
+            return out
+        return _WORKER.submit(body).result()
     return go
+
+
+class EngineRun:
+    """The Scheduler as the server runs it: its own thread's loop (`run`: cancellations,
+    admissions, prefills, then `_decode`) over B slots around `caches`, set up on that thread
+    (`control`), each slot's request ending after `tokens` tokens. One Scheduler, and so one
+    thread, per set of caches (a new one when B changes), for the reason above."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.sched, self.key = tokenizer, None, None
+
+    def __call__(self, model, caches, tokens):
+        if self.key != tuple(map(id, caches)):
+            self.close()
+            self.sched = Scheduler(model, _NoStops(self.tokenizer), 1, 8)
+            self.sched.slots = [Slot(b, c) for b, c in enumerate(caches)]
+            self.sched.thread.start()
+            self.key = tuple(map(id, caches))
+        sched, done = self.sched, [threading.Event() for _ in caches]
+
+        def setup():
+            logits = model(mx.zeros((len(caches), 1), dtype=mx.int32), caches)
+            for b, slot in enumerate(sched.slots):
+                ended = lambda e, d=done[b]: d.set() if "finish_reason" in e or "error" in e else None
+                slot.request = Request([], tokens + 1, SamplerSettings(), ended)
+                slot.sampler, slot.streamer = Sampler(slot.request.sampling), sched.tokenizer.streamer()
+                slot.stop, slot.generated, slot.logits, slot.state = StopMatcher([]), 0, logits[b, 0], "decode"
+        sched.control(setup)
+        for d in done:
+            d.wait()
+        sched.control(lambda: settle(caches))
+        return tokens + 1   # the first logits' forward and `tokens` steps
+
+    def close(self):
+        if self.sched is not None:
+            self.sched.stop()
+            self.sched.thread.join(60)
+            self.sched = None
 
 
 def settle(caches) -> None:
@@ -176,7 +216,7 @@ def variants(tokenizer, host: dict) -> dict:
     pick = lambda m, c, n: picks(m, c, n, False)
     return {"packed": lambda m, c, n: packed(m, c, n, False), "read1": lambda m, c, n: packed(m, c, n, True),
             "picks": pick, "picks1": lambda m, c, n: picks(m, c, n, True), "picksT": threaded(pick),
-            "decode": decode("decode"), "decodeT": threaded(decode("decodeT"))}
+            "decode": decode("decode"), "decodeT": threaded(decode("decodeT")), "sched": EngineRun(tokenizer)}
 
 
 def main() -> int:
@@ -223,6 +263,9 @@ def main() -> int:
                          f"{np.mean(np.array(wait) < 0.2):.0%} of steps waited < 0.2 ms")
             print(line, flush=True)
             cells.append(cell)
+        for run in VARIANTS.values():
+            if isinstance(run, EngineRun):
+                run.close()
         del caches
     receipt = make_receipt("research/engine-gap", inputs={"model": args.model, "batch": args.batch,
                                                           "depth": args.depth, "tokens": args.tokens, "reps": args.reps},
