@@ -374,3 +374,15 @@ def test_combine_warps_scale_with_the_splits():
     auto = KernelConfig()
     assert [plan.combine_warps(n, auto) for n in (1, 64, 65, 257, 512, 513, 8193)] == [4, 4, 5, 17, 32, 32, 32]
     assert plan.combine_warps(257, KernelConfig(combine_warps=6)) == 6
+
+
+def test_staged_form_takes_q4_k_only():
+    """Q6_K's 210-byte blocks are 2-byte aligned, past what a 16-byte asynchronous copy takes: its
+    plans keep the direct form whatever mma_stages says; Q4_K's take the staged kernel."""
+    device, config = Device("cuda", 132, 232448, (9, 0)), KernelConfig(mma_stages=4)
+    assert plan.mma_plan(QT.Q6_K, 6656, 50000, 4, device, config).stages == 0
+    assert plan.mma_launch(QT.Q6_K, 6656, 50000, device, config, 4)[0] == "matvec_mma_q6_k"
+    p = plan.mma_plan(QT.Q4_K, 6656, 39936, 4, device, config)
+    assert (p.stages, p.stage_units) == (4, 2) and p.memory + plan.MMA_WARP_BYTES * p.warps <= 232448
+    assert p.memory == plan.MMA_UNIT_BYTES * 104 + 32 + p.warps * 4 * 16 * (16 + 64)
+    assert plan.mma_launch(QT.Q4_K, 6656, 39936, device, config, 4)[0] == "matvec_mma_staged_q4_k"

@@ -40,10 +40,14 @@ KERNELS = {
        for v in STREAM_FORMATS},
     # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
     # mma.m16n8k16, x's fragments in threadgroup memory (the FFN down input is made before it:
-    # launch.Kernels.matvec_silu)
-    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", f"mma_{v}_unit", "mma_close"],
-                           ["w", "x"], ["y"])
-       for v in STREAM_FORMATS},
+    # launch.Kernels.matvec_silu); the weights loaded where used, or (Q4_K, _staged) copied
+    # ahead into threadgroup memory
+    "matvec_mma_q4_k": ("matvec_stream", ["x_plain", "mma_q4_k", "mma_prologue", "mma_direct", "mma_q4_k_load",
+                                          "mma_q4_k_unit", "mma_direct_end", "mma_close"], ["w", "x"], ["y"]),
+    "matvec_mma_q6_k": ("matvec_stream", ["x_plain", "mma_q6_k", "mma_prologue", "mma_direct", "mma_q6_k_unit",
+                                          "mma_direct_end", "mma_close"], ["w", "x"], ["y"]),
+    "matvec_mma_staged_q4_k": ("matvec_stream", ["x_plain", "mma_q4_k", "mma_prologue", "mma_staged",
+                                                 "mma_q4_k_unit", "mma_staged_end", "mma_close"], ["w", "x"], ["y"]),
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
