@@ -62,22 +62,6 @@ __device__ __forceinline__ uint4 load_tg_u4(const uint32_t* p) {
 }
 #define LOAD_TG_U4(p) load_tg_u4(p)
 #define FLOAT_TO_BITS(x) __float_as_uint(x)
-// Asynchronous copies (cp.async, sm_80 on): 16 bytes of device memory into threadgroup memory
-// without passing through registers, so a warp can hold several loads in flight at no register
-// cost. COPY_COMMIT closes this thread's group of copies issued since the last; COPY_WAIT(n) waits
-// until at most n of its groups are pending (n a compile-time constant); a copy is visible to
-// the other lanes after WARP_SYNC.
-__device__ __forceinline__ void copy16_async(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src)
-               : "memory");
-}
-#define COPY16_ASYNC(dst, src) copy16_async((dst), (src))
-#define COPY_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
-template <int N> __device__ __forceinline__ void copy_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-#define COPY_WAIT(n) copy_wait<(n)>()
-#define WARP_SYNC() __syncwarp()
 // a * b + c on two f16 values packed in 32-bit words (low half first), rounded once.
 __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;

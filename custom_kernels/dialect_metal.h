@@ -44,11 +44,6 @@ inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
 #define LOAD_TG_F4(p) (*((threadgroup float4*)(p)))
 #define LOAD_TG_U4(p) (*((threadgroup uint4*)(p)))
 #define FLOAT_TO_BITS(x) as_type<uint32_t>(float(x))
-// The asynchronous copies of dialect_cuda.h as plain 16-byte copies: complete when made.
-#define COPY16_ASYNC(dst, src) (*((threadgroup uint4*)(dst)) = *((const device uint4*)(src)))
-#define COPY_COMMIT()
-#define COPY_WAIT(n)
-#define WARP_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
 inline half half_lo(uint32_t v) { return as_type<half>(ushort(v & 0xFFFFu)); }
 inline half half_hi(uint32_t v) { return as_type<half>(ushort(v >> 16)); }
 // a * b + c on two packed f16 values (see dialect_cuda.h).

@@ -61,14 +61,6 @@ class KernelConfig:
         memory; 0 = always the fewest that fit. 6: FFN down's 19,968 in six parts (Q4_K 62 -> 43
         us, Q6_K 96 -> 81 at B = 4), o_proj's 4,096 in eight (20.5 -> 16.9), 6,656 whole; the
         packed step at B = 4 270.6 -> 282.6 tok/s (c202a3c).
-    mma_stages: how the tensor-core form's Q4_K products reach their weights: 0 = each lane loads
-        its unit's bytes from device memory where it multiplies them (a warp's loads in flight:
-        about one unit's); n >= 2 = each warp keeps a ring of n stages of mma_stage_units units in
-        threadgroup memory and copies the next n - 1 ahead asynchronously (cp.async on CUDA:
-        no registers held; plain copies on Metal), taking room from the warps' share of it.
-        Q6_K's 210-byte blocks (2-byte aligned) always take 0.
-    mma_stage_units: units of 64 values of K a stage of mma_stages holds: 1, 2 or 4 (a stage is
-        the 16 rows' 16-byte block header and their units' nibble bytes).
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -113,8 +105,6 @@ class KernelConfig:
     mma_pair_min_rows: int = 1024
     mma_min_rows: int = 1024
     mma_parts: int = 6
-    mma_stages: int = 0
-    mma_stage_units: int = 2
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
@@ -127,7 +117,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
-                  "mma_parts": (0, 8), "mma_stages": (0, 8), "mma_stage_units": (1, 4),
+                  "mma_parts": (0, 8),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():
@@ -136,10 +126,6 @@ class KernelConfig:
                 raise MuseError(f"kernel config {name} must be an integer {lo}..{hi}, got {value!r}")
         if self.stream_mma == 1:
             raise MuseError("kernel config stream_mma must be 0 (never) or 2..4 rows, got 1 (one row keeps x in registers)")
-        if self.mma_stages == 1:
-            raise MuseError("kernel config mma_stages must be 0 (loads where used) or 2..8 stages, got 1")
-        if self.mma_stage_units == 3:
-            raise MuseError("kernel config mma_stage_units must be 1, 2 or 4, got 3")
         if self.stream_batch_rf & (self.stream_batch_rf - 1):
             raise MuseError(f"kernel config stream_batch_rf must be 0, 1, 2 or 4, got {self.stream_batch_rf}")
 

@@ -51,18 +51,11 @@ CASES = [
         ("UP_OFF", 19968)])
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
     *[(f"matvec_mma_{v}", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb),
-        ("MS", 0), ("MP", 1)])
+       [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb)])
       for v, rb in (("q4_k", 144), ("q6_k", 210))
       for k, nw, kw, kp in ((4096, 16, 16, 1), (4096, 20, 5, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 20, 4, 1),
                             (6656, 19, 1, 1), (19968, 13, 13, 2))
       for b in (2, 4)],
-    # the staged form (Q4_K): rings of MS stages of MP units
-    *[("matvec_mma_staged_q4_k", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("B", 4), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * 144),
-        ("MS", ms), ("MP", mp)])
-      for k, nw, kw, kp in ((6656, 19, 1, 1), (6656, 18, 9, 1), (4096, 20, 1, 8), (19968, 19, 1, 6))
-      for ms, mp in ((2, 4), (3, 2), (4, 2), (8, 1))],
     *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])
       for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],

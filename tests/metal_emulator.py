@@ -105,7 +105,6 @@ inline uint32_t simd_shuffle(uint32_t v, ushort l) {
 }
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 inline void threadgroup_barrier(int) { emu_group->arrive_and_wait(); }
-inline void simdgroup_barrier(int) { emu_warp->bar.arrive_and_wait(); }
 """
 
 MAIN = r"""

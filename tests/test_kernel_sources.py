@@ -48,6 +48,8 @@ def test_prune_keeps_what_the_source_uses_directly_or_through_what_it_keeps():
         "  if (v > 0) { return v; }",
         "  return -v;",
         "}",
+        "template <int N>",
+        "__device__ void waits() { asm volatile(\"wait %0;\" :: \"n\"(N)); }",
         "inline float helper(float v) { return v; }",
         "inline float caller(float v) { return helper(v) * 2.0f; }",
         "",
@@ -56,8 +58,10 @@ def test_prune_keeps_what_the_source_uses_directly_or_through_what_it_keeps():
     assert [name for name, _ in header_items(kept) if name] == ["ONE", "TWO", "scaled", "helper", "caller"]
     assert "#pragma once" in kept and "lonely" not in kept and "UNUSED" not in kept
     assert "return -v" not in kept   # the multi-line function left out whole
+    # a template line standing alone goes with its function (left alone, it would bind to `helper`)
+    assert "template" not in kept.replace("template <typename P> inline float scaled", "")
     assert [name for name, _ in header_items(header) if name] == [
-        "ONE", "TWO", "UNUSED", "scaled", "lonely", "helper", "caller"]
+        "ONE", "TWO", "UNUSED", "scaled", "lonely", "waits", "helper", "caller"]
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -374,15 +378,3 @@ def test_combine_warps_scale_with_the_splits():
     auto = KernelConfig()
     assert [plan.combine_warps(n, auto) for n in (1, 64, 65, 257, 512, 513, 8193)] == [4, 4, 5, 17, 32, 32, 32]
     assert plan.combine_warps(257, KernelConfig(combine_warps=6)) == 6
-
-
-def test_staged_form_takes_q4_k_only():
-    """Q6_K's 210-byte blocks are 2-byte aligned, past what a 16-byte asynchronous copy takes: its
-    plans keep the direct form whatever mma_stages says; Q4_K's take the staged kernel."""
-    device, config = Device("cuda", 132, 232448, (9, 0)), KernelConfig(mma_stages=4)
-    assert plan.mma_plan(QT.Q6_K, 6656, 50000, 4, device, config).stages == 0
-    assert plan.mma_launch(QT.Q6_K, 6656, 50000, device, config, 4)[0] == "matvec_mma_q6_k"
-    p = plan.mma_plan(QT.Q4_K, 6656, 39936, 4, device, config)
-    assert (p.stages, p.stage_units) == (4, 2) and p.memory + plan.MMA_WARP_BYTES * p.warps <= 232448
-    assert p.memory == plan.MMA_UNIT_BYTES * 104 + 32 + p.warps * 4 * 16 * (16 + 64)
-    assert plan.mma_launch(QT.Q4_K, 6656, 39936, device, config, 4)[0] == "matvec_mma_staged_q4_k"

@@ -163,35 +163,6 @@ def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
         check_mma_against_float64(big, qtype, n, k, b)
 
 
-@pytest.mark.parametrize("stages, units, tile_warps, warps", [(2, 1, 1, 3), (3, 2, 3, 6), (4, 4, 2, 4), (2, 4, 3, 6)])
-def test_tensor_core_matvec_staged(stages, units, tile_warps, warps):
-    """The staged form (Q4_K's rows copied ahead into each warp's ring of stages): against float64,
-    and bit for bit the direct form on the same plan (same products, same order of sums). Cases:
-    a ring of two (each stage waited for at once) to four; stages of one, two and four units;
-    a warp's share of a tile's units not a whole number of stages (3 warps over 8 or 20 units);
-    a warp reusing its ring over several tiles (7 tiles, 2 threadgroups); rows past the last
-    whole tile; K in parts (5,120 in five) with units in each part's own ring."""
-    from muse_mlx.kernels import Device, Kernels
-    from metal_emulator import EmulatedKernel
-    def kernels(**staged):
-        config = KernelConfig(stream_groups=2, mma_warps=warps, mma_tile_warps=tile_warps, mma_parts=5, **staged)
-        return Kernels(Device("metal", 4, 1 << 20), config, build=lambda name, which, shared: EmulatedKernel(name))
-    direct, ring = kernels(), kernels(mma_stages=stages, mma_stage_units=units)
-    for n, k, b in ((103, 512, 4), (100, 1280, 2), (100, 5120, 3)):
-        p = plan.mma_plan(QT.Q4_K, k, n, b, ring.device, ring.config)
-        assert (p.warps, p.tile_warps, p.stages, p.stage_units) == (warps, tile_warps, stages, units), p
-        assert p._replace(stages=0, stage_units=1, memory=0) == plan.mma_plan(
-            QT.Q4_K, k, n, b, direct.device, direct.config)._replace(memory=0)
-        rng = np.random.default_rng([n, k, stages, units, 25])
-        w = random_blocks(n, k, QT.Q4_K, rng)
-        x = rng.standard_normal((b, k)).astype(np.float32)
-        out = np.array(ring.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=NAN))
-        assert np.array_equal(out, np.array(direct.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=NAN)))
-        W = dense(w, QT.Q4_K, n, k)
-        assert np.isfinite(out).all()
-        assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
-
-
 def test_tensor_core_matvec_carries_non_finite_x():
     """An infinite or NaN x gives non-finite products (the engine refuses non-finite logits),
     not finite garbage from the f16 scaling."""

@@ -154,9 +154,6 @@ MMA_MAX_WARPS = 32
 # each type's builds). A threadgroup's warps are capped so that they fit GROUP_REGISTERS (MLX
 # launches without launch bounds).
 MMA_REGISTERS = {QT.Q4_K: 78, QT.Q6_K: 64}
-# The staged form (KernelConfig.mma_stages; Q4_K only): not yet read by ncu, planned with the
-# direct form's figure and the split forms' margin.
-MMA_STAGED_REGISTERS = {QT.Q4_K: 78 + 12}
 # The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
 # them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = 12
@@ -173,13 +170,6 @@ class MmaPlan(NamedTuple):
     groups: int      # threadgroups in x (per part), each taking NW / KW tiles of 16 rows a round
     memory: int      # dynamic threadgroup memory, bytes
     tile_warps: int  # KW: warps splitting a tile's units of K (KW = 1: a warp sums a tile alone)
-    stages: int = 0  # MS: the staged form's ring of stages a warp (0: the direct form)
-    stage_units: int = 1   # MP: units of K a stage
-
-
-def mma_ring_bytes(stages: int, stage_units: int) -> int:
-    """A warp's ring in the staged form: `stages` stages of 16 rows x (16 + 32 x stage_units) bytes."""
-    return stages * 16 * (16 + 32 * stage_units)
 
 
 def _mma_warps(units: int, limit: int) -> int:
@@ -218,10 +208,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    stages = config.mma_stages if qtype in MMA_STAGED_REGISTERS else 0
-    stage_units = config.mma_stage_units if stages else 1
-    ring = mma_ring_bytes(stages, stage_units)
-    whole_regs = MMA_STAGED_REGISTERS[qtype] if stages else MMA_REGISTERS[qtype]
+    whole_regs = MMA_REGISTERS[qtype]
     split_regs = whole_regs + MMA_SPLIT_MARGIN
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
@@ -231,7 +218,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
             continue
         upp = units // parts
         memory = MMA_UNIT_BYTES * upp + 32
-        room = min(limit, (device.group_memory - memory) // (MMA_WARP_BYTES + ring),   # buffers, registers
+        room = min(limit, (device.group_memory - memory) // MMA_WARP_BYTES,   # buffers, registers
                    GROUP_REGISTERS // (32 * split_regs))
         if config.mma_tile_warps >= min(limit, upp):   # the whole threadgroup on one tile
             warps = kw = _mma_warps(upp, limit)
@@ -240,7 +227,6 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
                                   config.mma_tile_warps)
         else:
             continue
-        memory += ring * warps
         static = MMA_WARP_BYTES * warps
         if memory + static <= device.group_memory:
             break
@@ -254,7 +240,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
         per_core = max(1, min(device.group_memory // (memory + static), SM_THREADS // threads,
                               GROUP_REGISTERS // (threads * regs)))
         groups = max(1, device.cores * per_core // parts)
-    return MmaPlan(warps, parts, min(-(-tiles // (warps // kw)), groups), memory, kw, stages, stage_units)
+    return MmaPlan(warps, parts, min(-(-tiles // (warps // kw)), groups), memory, kw)
 
 
 @lru_cache(maxsize=None)
@@ -264,10 +250,9 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
     p = mma_plan(qtype, K, N, B, device, config)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
-                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype]), ("MS", p.stages), ("MP", p.stage_units)]
+                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    form = "mma_staged" if p.stages else "mma"
-    return f"matvec_{form}_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
+    return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 

@@ -40,14 +40,10 @@ KERNELS = {
        for v in STREAM_FORMATS},
     # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
     # mma.m16n8k16, x's fragments in threadgroup memory (the FFN down input is made before it:
-    # launch.Kernels.matvec_silu); the weights loaded where used, or (Q4_K, _staged) copied
-    # ahead into threadgroup memory
-    "matvec_mma_q4_k": ("matvec_stream", ["x_plain", "mma_q4_k", "mma_prologue", "mma_direct", "mma_q4_k_load",
-                                          "mma_q4_k_unit", "mma_direct_end", "mma_close"], ["w", "x"], ["y"]),
-    "matvec_mma_q6_k": ("matvec_stream", ["x_plain", "mma_q6_k", "mma_prologue", "mma_direct", "mma_q6_k_unit",
-                                          "mma_direct_end", "mma_close"], ["w", "x"], ["y"]),
-    "matvec_mma_staged_q4_k": ("matvec_stream", ["x_plain", "mma_q4_k", "mma_prologue", "mma_staged",
-                                                 "mma_q4_k_unit", "mma_staged_end", "mma_close"], ["w", "x"], ["y"]),
+    # launch.Kernels.matvec_silu)
+    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", f"mma_{v}_unit", "mma_close"],
+                           ["w", "x"], ["y"])
+       for v in STREAM_FORMATS},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
@@ -96,7 +92,8 @@ def strip_comments(text: str) -> str:
 
 def header_items(header: str) -> list[tuple[str | None, str]]:
     """The header's top-level items as (the name each defines, its text): a `#define` line, or a
-    function from its first line to the brace that closes it. Any other line defines nothing."""
+    function from its first line (or the `template <...>` line standing before it) to the brace
+    that closes it. Any other line defines nothing."""
     items: list[tuple[str | None, str]] = []
     lines = header.splitlines(keepends=True)
     i = 0
@@ -110,10 +107,12 @@ def header_items(header: str) -> list[tuple[str | None, str]]:
             items.append((macro.group(1), "".join(lines[i:j])))
             i = j
             continue
+        if re.fullmatch(r"template\s*<[^>]*>\s*", line) and i + 1 < len(lines):
+            line = line.rstrip("\n") + " " + lines[i + 1]   # its function's first line, for the name
         head = re.sub(r"^template\s*<[^>]*>\s*", "", line)
         function = re.match(r"[\w\s]*?\b(\w+)\s*\(", head) if "(" in head and not line.startswith("#") else None
         if function is None:
-            items.append((None, line))
+            items.append((None, lines[i]))
             i += 1
             continue
         j, depth, seen = i, 0, False

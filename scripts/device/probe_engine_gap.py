@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -174,8 +175,8 @@ class EngineRun:
     (`control`), each slot's request ending after `tokens` tokens. One Scheduler, and so one
     thread, per set of caches (a new one when B changes), for the reason above."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.sched, self.key = tokenizer, None, None
+    def __init__(self, tokenizer, host: list):
+        self.tokenizer, self.sched, self.key, self.host = tokenizer, None, None, host
 
     def __call__(self, model, caches, tokens):
         if self.key != tuple(map(id, caches)):
@@ -185,18 +186,26 @@ class EngineRun:
             self.sched.thread.start()
             self.key = tuple(map(id, caches))
         sched, done = self.sched, [threading.Event() for _ in caches]
+        timed = _Timed(model)
 
         def setup():
-            logits = model(mx.zeros((len(caches), 1), dtype=mx.int32), caches)
+            sched.model = timed
+            logits = timed(mx.zeros((len(caches), 1), dtype=mx.int32), caches)
             for b, slot in enumerate(sched.slots):
                 ended = lambda e, d=done[b]: d.set() if "finish_reason" in e or "error" in e else None
                 slot.request = Request([], tokens + 1, SamplerSettings(), ended)
                 slot.sampler, slot.streamer = Sampler(slot.request.sampling), sched.tokenizer.streamer()
                 slot.stop, slot.generated, slot.logits, slot.state = StopMatcher([]), 0, logits[b, 0], "decode"
+        start = time.perf_counter()
         sched.control(setup)
         for d in done:
             d.wait()
         sched.control(lambda: settle(caches))
+        end, built = time.perf_counter(), timed.built
+        # the steps' own periods, and the run's time outside them: from the call to the first
+        # build and from the last build to the return (set-up, the last step, the hand-offs)
+        self.host.append({"period_ms": [1e3 * (b1 - b0) for b0, b1 in zip(built, built[1:])],
+                          "outside_ms": 1e3 * ((built[0] - start) + (end - built[-1]))})
         return tokens + 1   # the first logits' forward and `tokens` steps
 
     def close(self):
@@ -216,7 +225,8 @@ def variants(tokenizer, host: dict) -> dict:
     pick = lambda m, c, n: picks(m, c, n, False)
     return {"packed": lambda m, c, n: packed(m, c, n, False), "read1": lambda m, c, n: packed(m, c, n, True),
             "picks": pick, "picks1": lambda m, c, n: picks(m, c, n, True), "picksT": threaded(pick),
-            "decode": decode("decode"), "decodeT": threaded(decode("decodeT")), "sched": EngineRun(tokenizer)}
+            "decode": decode("decode"), "decodeT": threaded(decode("decodeT")),
+            "sched": EngineRun(tokenizer, host.setdefault("sched", []))}
 
 
 def main() -> int:
@@ -236,31 +246,37 @@ def main() -> int:
         VARIANTS = {k: v for k, v in VARIANTS.items() if k in args.variants.split(",")}
     cells = []
     for B in [int(b) for b in args.batch.split(",")]:
-        caches = [model.make_cache(args.depth + len(VARIANTS) * (args.reps * (args.tokens + 2) + 6) + 8)
-                  for _ in range(B)]
+        caches = [model.make_cache(args.depth + args.tokens + 8) for _ in range(B)]
         for c in caches:
             c.fill_random(args.depth)
         samples = {v: [] for v in VARIANTS}
         for name, run in VARIANTS.items():   # warm-up: every trace and kernel of this B
             settle(caches)
+            rewind(caches, args.depth)
             run(model, caches, 4)
-        host.clear()
+        for runs in host.values():
+            runs.clear()
         for _ in range(args.reps):
             for name, run in VARIANTS.items():
                 settle(caches)   # a thread cannot evaluate what another left lazy
+                rewind(caches, args.depth)   # every variant, every pass at the same depth
                 t = time.perf_counter()
                 forwards = run(model, caches, args.tokens)
                 samples[name].append(B * forwards / (time.perf_counter() - t))
         for name, s in samples.items():
             line = f"B={B} {name:>7}: {np.mean(s):.1f} tok/s aggregate ({', '.join(f'{x:.1f}' for x in s)}); " \
-                   f"depth {args.depth}..{caches[0].offset}"
+                   f"depth {args.depth}..{args.depth + args.tokens + 1}"
             cell = {"batch": B, "variant": name, "tok_s": s, "depth_start": args.depth}
-            if name in host:
-                wait = [w for run in host[name] for w in run["wait_ms"]]
+            if host.get(name):
                 period = [p for run in host[name] for p in run["period_ms"]]
                 cell["host"] = list(host[name])
-                line += (f"; host: step {np.median(period):.2f} ms, wait {np.median(wait):.2f} ms median, "
-                         f"{np.mean(np.array(wait) < 0.2):.0%} of steps waited < 0.2 ms")
+                line += f"; host: step {np.median(period):.2f} ms median, {np.mean(period):.2f} mean"
+                wait = [w for run in host[name] for w in run.get("wait_ms", [])]
+                if wait:
+                    line += f", wait {np.median(wait):.2f} ms median, {np.mean(np.array(wait) < 0.2):.0%} under 0.2 ms"
+                outside = [run["outside_ms"] for run in host[name] if "outside_ms" in run]
+                if outside:
+                    line += f", outside the steps {np.median(outside):.1f} ms a run (median)"
             print(line, flush=True)
             cells.append(cell)
         for run in VARIANTS.values():
@@ -270,10 +286,22 @@ def main() -> int:
     receipt = make_receipt("research/engine-gap", inputs={"model": args.model, "batch": args.batch,
                                                           "depth": args.depth, "tokens": args.tokens, "reps": args.reps},
                            metrics={"cells": cells}, synthetic=True,
-                           notes=["K/V rows random (SlotCache.fill_random); the depth grows through the passes"])
+                           notes=["K/V rows random (SlotCache.fill_random); every run from the same depth (rewound)"])
     Path(args.out).write_text(json.dumps(receipt, indent=1))
     return 0
 
 
+def rewind(caches, depth: int) -> None:
+    """Every layer of every cache back to `depth` positions held (the rows past it are never read),
+    so that each variant runs over the same depth whatever ran before it."""
+    for c in caches:
+        for layer in c.layers:
+            layer.offset = depth
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # past the receipt, no teardown: the worker's and the schedulers' threads hold MLX streams,
+    # whose destruction at interpreter exit aborted the process (2026-12-04, e8f3920)
+    os._exit(code)

@@ -349,32 +349,6 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
                  kernels=kernels, warps=p.warps, tile_warps=p.tile_warps)
 
 
-@pytest.mark.parametrize("shape", [(39936, 6656), (8704, 6656), (6656, 4096), (6656, 19968)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("stages, units", [(2, 4), (4, 2), (8, 1)], ids=["s2x4", "s4x2", "s8x1"])
-@pytest.mark.parametrize("batch", [2, 4])
-def test_tensor_core_staged(shape, stages, units, batch):
-    """The staged form (mma_stages: Q4_K's rows copied ahead with cp.async into each warp's ring)
-    on its own plans against float64, and bit for bit the direct form on the same warps, tiles
-    and parts (the same products summed in the same order): gate|up (a warp a tile), Q|K|gate|V
-    (warps sharing tiles), o_proj in eight parts of K, FFN down in six."""
-    n, k = shape
-    rng = np.random.default_rng([SEED, n, k, stages, units, batch, 11])
-    staged = Kernels(gpu_device(), KernelConfig(mma_stages=stages, mma_stage_units=units))
-    assert staged._takes_mma(QT.Q4_K, k, n, batch)
-    p = plan.mma_plan(QT.Q4_K, k, n, batch, staged.device, staged.config)
-    assert p.stages == stages
-    check_matvec("matvec_mma_staged", QT.Q4_K, n, k, batch, rng, kernels=staged, stages=stages, units=units,
-                 warps=p.warps, tile_warps=p.tile_warps, parts=p.parts)
-    same = Kernels(gpu_device(), KernelConfig(mma_warps=p.warps, mma_tile_warps=p.tile_warps, stream_groups=p.groups,
-                                              mma_parts=p.parts))
-    direct = plan.mma_plan(QT.Q4_K, k, n, batch, same.device, same.config)
-    assert (direct.warps, direct.parts, direct.groups, direct.tile_warps) == (p.warps, p.parts, p.groups, p.tile_warps)
-    w = mx.array(random_blocks(n, k, QT.Q4_K, rng))
-    x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
-    assert np.array_equal(np.array(staged.matvec(w, QT.Q4_K, x)), np.array(same.matvec(w, QT.Q4_K, x)))
-
-
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
