@@ -1,9 +1,9 @@
 """Where the engine loop's time over the packed step goes (issue 16: at 5be8c66 the server's engine
 loop, slots.Scheduler, ran 4-8 % under the packed step, bench_serving --batch, at B = 1..4).
 
-One process, one model, B caches of `--depth` random rows (SlotCache.fill_random); each variant
-decodes `--tokens` tokens for the B sequences, pipelined, and is timed in turn, interleaved over
-`--reps` passes (tok/s aggregate: B x the forwards a variant ran, the first logits' included, over
+One process, one model, B caches of `--depth` random rows (SlotCache.fill_random), rewound to that
+depth before every run; each variant decodes `--tokens` tokens for the B sequences, pipelined, and is
+timed in turn, interleaved over `--reps` passes (tok/s aggregate: B x the forwards a variant ran, the first logits' included, over
 its time):
 
   packed     argmax of the (B, vocab) logits, fed back lazily; nothing read until the end
@@ -28,7 +28,8 @@ its time):
   steps per thread)
   (decode and decodeT also print and record their host timeline: per step, the time from building
   it to the first emit, which blocks on the step before, and the time between builds; a wait
-  near zero marks a step the host set, not the GPU)
+  near zero marks a step the host set, not the GPU; sched records the time between builds and its
+  run's time outside them)
 
 Usage: python scripts/device/probe_engine_gap.py MODEL.gguf OUT.json [--batch 1,2,4] [--depth 512]
        [--tokens 64] [--reps 3] [--variants packed,decode,decodeT]
