@@ -9,6 +9,7 @@
 #      configurations interleaved over PASSES passes (default 1): $OUT/sched-TAG-PASS.json / .log;
 #   2. llama-batched-bench -npp SCHED_PROMPT -ntg SCHED_TOKENS -npl SLOTS -fa on, the issue's
 #      anchor ($OUT/llama-batched-bench.jsonl / .err), after pass LLAMA_AFTER (default 1; 0: never).
+# A llama.cpp build still running (build_llama_bg.sh in an earlier call) is waited for first.
 # Carry .device/revision. One tree: the checkout's (PYTHONSAFEPATH=1, so nothing else shadows it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,9 +18,13 @@ export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" MUS
 SLOTS=${SLOTS:-1,2,3,4} P=${SCHED_PROMPT:-512} N=${SCHED_TOKENS:-128}
 G=/tmp/bench.gguf
 [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
-llama() {
+wait_build() {   # a llama.cpp build on the host's cores moved the packed step 5-20 % (ledger, 2026-12-04)
+  [ -d /tmp/llama ] || return 0
+  local t0=$(date +%s)
   for i in $(seq 1 90); do [ -f /tmp/llama/build.rc ] && break; sleep 5; done
-  echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null)"
+  echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null) (waited $(( $(date +%s) - t0 )) s)"
+}
+llama() {
   B=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
   if [ -x $B ]; then
     timeout 180 $B -m $G -ngl 99 -fa on -c 4096 -b 2048 -ub 512 -npp $P -ntg $N -npl "$SLOTS" \
@@ -28,6 +33,7 @@ llama() {
   fi
 }
 IFS=';' read -ra CONFIGS <<< "${CONFIGS:-default:}"
+wait_build   # no pass runs beside the build
 for pass in $(seq 1 "${PASSES:-1}"); do
   for item in "${CONFIGS[@]}"; do
     tag=${item%%:*} cfg=${item#*:}
