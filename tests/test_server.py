@@ -333,6 +333,37 @@ def test_handoff_between_servers_ships_only_what_the_receiver_lacks(f32_fixture,
             p.wait(timeout=30)
 
 
+@pytest.mark.parametrize("depth, held", [(300, 0), (520, 300)], ids=["deep", "delta"])
+def test_live_handoff_tool(f32_fixture, tmp_path, solo, depth, held):
+    """tools/live_handoff (the H200's handoff cell between two live servers), on the fixture: B's
+    greedy text is A's own and the solo run's; the full pack's payload is every NoPE layer's rows
+    of the positions sent plus each ring's last window, counted here layer by layer from the
+    file's geometry; with nothing held everything is sent, with a held prefix less; the receipt
+    says "agrees" and the command exits 0."""
+    import json
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.tools import live_handoff
+
+    receipt = tmp_path / "cell.json"
+    rc = live_handoff.main(["--model", str(f32_fixture), "--depth", str(depth), "--held", str(held), "--tokens", "8",
+                            "--ctx-size", "1024", "--server-arg=--reference", "--workdir", str(tmp_path / "w"),
+                            "--receipt", str(receipt)])
+    r = json.loads(receipt.read_text())
+    cell = r["metrics"]["cell"]
+    assert rc == 0 and r["verdict"] == "agrees", cell
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, open_artifact(f32_fixture).geometry.n_vocab, depth)]
+    assert cell["b_text"] == cell["a_text"] == solo(ids, 8)
+    g = open_artifact(f32_fixture).geometry
+    row = 2 * g.n_head_kv * g.head_dim * 2   # K and V of one position, f16
+    rows = sum(min(depth - 1, g.sliding_window) if g.is_swa(il) else depth - 1 for il in range(g.n_layer))
+    assert cell["payload_bytes_full"] == rows * row
+    if held:
+        assert 0 < cell["payload_bytes_sent"] < cell["payload_bytes_full"]
+    else:
+        assert cell["payload_bytes_sent"] == cell["payload_bytes_full"] < cell["wire_bytes"]
+
+
 def test_automatic_prompt_reuse_equals_the_solo_runs(f32_fixture, solo, tmp_path):
     """--prompt-cache: a repeated prompt restores its exact end (no prefill); a longer one may only
     start from a checkpoint on a chunk multiple; each answer equals the solo run, and usage says

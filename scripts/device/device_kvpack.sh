@@ -9,6 +9,9 @@
 #            with pinned_upload=0 ($OUT/warm.json, warm-mx.load.json / .log)
 #   handoff  tools/handoff.py: the book's delta and deep handoff cells at the pinned geometry
 #            ($OUT/handoff.json / .log)
+#   live     tools/live_handoff.py (issue 16 item 6): the same two cells between two live servers
+#            on the bench GGUF over HTTP, the deep one at 130,815 tokens and the delta one at
+#            32,768 of 65,536 ($OUT/live-{deep,delta}.json / .log; not in the default PARTS)
 # Carry .device/revision.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,5 +32,14 @@ if [[ " $PARTS " == *" warm "* ]]; then
 fi
 if [[ " $PARTS " == *" handoff "* ]]; then
   timeout 150 python3 -m muse_mlx.tools.handoff --receipt "$OUT/handoff.json" 2>&1 | tee "$OUT/handoff.log"
+fi
+if [[ " $PARTS " == *" live "* ]]; then
+  [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
+  timeout ${LIVE_TIMEOUT:-280} python3 -m muse_mlx.tools.live_handoff --model $G --synthetic --depth 130815 \
+    --workdir /tmp/live-deep --receipt "$OUT/live-deep.json" > "$OUT/live-deep.log" 2>&1
+  echo "live deep rc $?"; tail -2 "$OUT/live-deep.log"; rm -rf /tmp/live-deep
+  timeout ${LIVE_TIMEOUT:-280} python3 -m muse_mlx.tools.live_handoff --model $G --synthetic --depth 65536 --held 32768 \
+    --workdir /tmp/live-delta --receipt "$OUT/live-delta.json" > "$OUT/live-delta.log" 2>&1
+  echo "live delta rc $?"; tail -2 "$OUT/live-delta.log"; rm -rf /tmp/live-delta
 fi
 bash scripts/device/pack_out.sh
