@@ -35,12 +35,14 @@ echo "ncu token rc $?"; tail -3 "$OUTDIR/ncu-token${TAG:-}.err"
 # --batch), folded apart by `ncu_summary.py LISTING --parts b1,b2,b3,b4 --ends _202048_` (not here).
 PARTS=$(python3 -c 'import sys; print(",".join(v.split(":")[0] for v in sys.argv[1].split(";") if v))' "${VARIANTS:-}")
 python3 scripts/ncu_summary.py "$OUTDIR/ncu-token${TAG:-}.csv" ${PARTS:+--parts "$PARTS"} | tee "$OUTDIR/ncu-token${TAG:-}-summary.txt"
-# Full sections for the first kernels of the token matching each regex (name:count).
+# Full sections for the first kernels of the token matching each regex (name:count), in the same
+# steps (BATCH: e.g. DETAIL="matvec_mma_q4_k:2" BATCH=4 for the tensor-core form's stall reasons).
 for spec in ${DETAIL-"matvec_stream|attention_partial:8" "silu_q4_k:1"}; do
   rx=${spec%:*} count=${spec##*:} tag=$(echo "${spec%:*}" | tr -c 'a-z0-9_\n' '-' | cut -c1-30)
   timeout 200 "$NCU" --profile-from-start off --clock-control none --target-processes all -k "regex:$rx" \
     --launch-count "$count" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats --section SourceCounters \
-    python3 scripts/device/profile_decode.py --model "$MODEL" --depth "$DEPTH" > "$OUTDIR/ncu-details-$tag.txt" 2>&1
+    python3 scripts/device/profile_decode.py --model "$MODEL" --depth "$DEPTH" ${BATCH:+--batch "$BATCH"} \
+    > "$OUTDIR/ncu-details-$tag.txt" 2>&1
   echo "ncu details $spec rc $?"
 done
