@@ -200,22 +200,6 @@ def test_batched_stream_rows_per_pass():
                 assert used * plan.stream_threads(k) <= plan.GROUP_REGISTERS, (qtype, b, rf, k)
 
 
-def test_tensor_core_l2_hints_plan_with_their_registers():
-    """mma_l2_ahead: the plans count MMA_L2_MARGIN more registers a thread, so a whole-tile
-    threadgroup at K = 6,656 may hold 23 warps (65,536 / (32 x 86)), not 26, and of those takes
-    13 (8 of the 104 units each, none idle); the distance goes to the kernel as PD, 0 without
-    hints."""
-    h200 = Device("cuda", 132, 232448)
-    whole = dict(mma_tile_warps=32, mma_parts=0)
-    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(**whole)).warps == 26
-    p = plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(**whole, mma_l2_ahead=2))
-    assert plan.GROUP_REGISTERS // (32 * (plan.MMA_REGISTERS[QT.Q4_K] + plan.MMA_L2_MARGIN)) == 23
-    assert p.warps == 13
-    for ahead in (0, 2):
-        _, _, launch = plan.mma_launch(QT.Q4_K, 6656, 39936, h200, KernelConfig(mma_l2_ahead=ahead), 4)
-        assert ("PD", ahead) in launch["template"]
-
-
 def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
     of K fit one part up to K = 6,656 (26 warps of 4 units; 16 of 4 at 4,096), the FFN down

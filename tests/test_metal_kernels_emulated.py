@@ -163,43 +163,6 @@ def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
         check_mma_against_float64(big, qtype, n, k, b)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("tile_warps, parts, ahead", [(1, 1, 1), (2, 1, 1), (1, 1, 3), (1, 2, 2)])
-def test_tensor_core_l2_hints_ask_for_what_is_read_next(qtype, tile_warps, parts, ahead):
-    """mma_l2_ahead: the 32-byte sectors the hints name are exactly those of the blocks each warp
-    will read `ahead` blocks or more past its first (every sector of them, none of any other
-    block, nothing outside the weights), and the products are the float64 ones. 35 rows (the
-    last tile's rows past the matrix read the last row), 2,048 values (8 blocks; two warps a
-    tile, or two parts of K: 4 blocks each)."""
-    from muse_mlx.kernels import Device, Kernels
-    from metal_emulator import EmulatedKernel
-    made = {}
-
-    def build(name, which, shared):
-        made[name] = EmulatedKernel(name)
-        return made[name]
-    n, k = 35, 2048
-    config = KernelConfig(stream_groups=2, mma_warps=2 * tile_warps, mma_tile_warps=tile_warps, mma_parts=parts,
-                          mma_l2_ahead=ahead)
-    kernels = Kernels(Device("metal", 4, 1 << 20), config, build=build)
-    p = plan.mma_plan(qtype, k, n, 3, kernels.device, kernels.config)
-    assert (p.tile_warps, p.parts) == (tile_warps, parts), p
-    check_mma_against_float64(kernels, qtype, n, k, 3)
-    base, hints = made[f"matvec_mma_{qtype.name.lower()}"].hints
-    block = {QT.Q4_K: 144, QT.Q6_K: 210}[qtype]
-    blocks = k // 256
-    assert len(hints) and hints.min() >= 0 and hints.max() < n * blocks * block
-    sectors = lambda offsets: {(base + int(o)) // 32 for o in offsets}
-    per_warp = blocks // parts // tile_warps
-    wanted = set()
-    for row in range(n):
-        for b in range(blocks):
-            if b % per_warp >= ahead:
-                start = (row * blocks + b) * block
-                wanted |= sectors(range(start, start + block))
-    assert sectors(hints) == wanted
-
-
 def test_tensor_core_matvec_carries_non_finite_x():
     """An infinite or NaN x gives non-finite products (the engine refuses non-finite logits),
     not finite garbage from the f16 scaling."""

@@ -157,9 +157,6 @@ MMA_REGISTERS = {QT.Q4_K: 78, QT.Q6_K: 64}
 # The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
 # them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = 12
-# The L2 hints (KernelConfig.mma_l2_ahead > 0) cost local nvcc up to 9 more registers (Q4_K,
-# KW = 1: 69 -> 78; 2026-12-04); not yet read by ncu, so the plans keep this margin on top.
-MMA_L2_MARGIN = 8
 SM_THREADS = 2048
 # Parts of K (grid y) at most; each adds B x N partial sums for one more node to add. With
 # KernelConfig.mma_parts = 6 this bound keeps K = 6,656 (26 blocks: 1, 2, 13 or 26 parts) whole:
@@ -211,7 +208,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    whole_regs = MMA_REGISTERS[qtype] + (MMA_L2_MARGIN if config.mma_l2_ahead else 0)
+    whole_regs = MMA_REGISTERS[qtype]
     split_regs = whole_regs + MMA_SPLIT_MARGIN
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
@@ -253,7 +250,7 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
     p = mma_plan(qtype, K, N, B, device, config)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
-                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype]), ("PD", config.mma_l2_ahead)]
+                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
     return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),

@@ -35,6 +35,11 @@ if [[ " $PARTS " == *" handoff "* ]]; then
 fi
 if [[ " $PARTS " == *" live "* ]]; then
   [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
+  # The device's image has no server stack (uvicorn, starlette, sse-starlette): carry .device/srv,
+  # which scripts/device/stage_server_stack.sh fills from the local venv.
+  [ -d .device/srv ] && export PYTHONPATH="$PWD/.device/srv:$PYTHONPATH"
+  python3 -c "import uvicorn, starlette, sse_starlette" 2>/dev/null \
+    || { echo "live: no uvicorn / starlette / sse-starlette here: run scripts/device/stage_server_stack.sh and carry .device/srv"; exit 2; }
   timeout ${LIVE_TIMEOUT:-280} python3 -m muse_mlx.tools.live_handoff --model $G --synthetic --depth 130815 \
     --workdir /tmp/live-deep --receipt "$OUT/live-deep.json" > "$OUT/live-deep.log" 2>&1
   echo "live deep rc $?"; tail -2 "$OUT/live-deep.log"; rm -rf /tmp/live-deep
