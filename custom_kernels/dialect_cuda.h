@@ -39,7 +39,6 @@ __device__ __forceinline__ float warp_max(float v) {
 #define MAKE_UINT4(a, b, c, d) make_uint4(a, b, c, d)
 __device__ __forceinline__ float shuffle_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float shuffle_idx(float v, int l) { return __shfl_sync(0xffffffffu, v, l); }
-__device__ __forceinline__ uint32_t shuffle_idx_u(uint32_t v, int l) { return __shfl_sync(0xffffffffu, v, l); }
 // Threadgroup memory sized at launch (MLX's `shared_memory`, which MLX lets past 48 KB):
 // X_MEMORY(name, n) declares `name`, n floats; TG(T) qualifies a pointer into it.
 #define X_MEMORY(name, n) extern __shared__ float4 name##_v4[]; float* name = (float*)name##_v4

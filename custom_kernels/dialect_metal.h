@@ -37,7 +37,6 @@ inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
 #define MAKE_UINT4(a, b, c, d) uint4(a, b, c, d)
 inline float shuffle_xor(float v, int m) { return simd_shuffle_xor(v, ushort(m)); }
 inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
-inline uint32_t shuffle_idx_u(uint32_t v, int l) { return simd_shuffle(v, ushort(l)); }
 // Threadgroup memory declared with its size (at most 32 KB on Apple GPUs: kernels/plan.py
 // plans within it); TG(T) qualifies a pointer into it.
 #define X_MEMORY(name, n) threadgroup float4 name##_v4[(n) / 4]; threadgroup float* name = (threadgroup float*)name##_v4

@@ -61,10 +61,6 @@ class KernelConfig:
         memory; 0 = always the fewest that fit. 6: FFN down's 19,968 in six parts (Q4_K 62 -> 43
         us, Q6_K 96 -> 81 at B = 4), o_proj's 4,096 in eight (20.5 -> 16.9), 6,656 whole; the
         packed step at B = 4 270.6 -> 282.6 tok/s (c202a3c).
-    mma_shared_scales: how the tensor-core form makes a Q4_K unit's scales and mins (two rows x two
-        groups a lane): 1 = the four lanes of a row pair each make one and take the other three by
-        shuffles (one header load and one decode a lane, ten shuffles); 0 = every lane makes all
-        four. The values, and so the products, are the same.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -109,7 +105,6 @@ class KernelConfig:
     mma_pair_min_rows: int = 1024
     mma_min_rows: int = 1024
     mma_parts: int = 6
-    mma_shared_scales: int = 0
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
@@ -122,7 +117,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
-                  "mma_parts": (0, 8), "mma_shared_scales": (0, 1),
+                  "mma_parts": (0, 8),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():

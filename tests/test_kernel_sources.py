@@ -225,7 +225,7 @@ def test_tensor_core_plans_fit_the_hardware():
             assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[QT.Q4_K] <= plan.GROUP_REGISTERS
             name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, h200, whole, b, 2 * k)
             assert name == "matvec_mma_q6_k" and memory == p.memory
-            assert ("XS", 2 * k) in launch["template"] and ("SS", 0) in launch["template"]
+            assert ("XS", 2 * k) in launch["template"]
             assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
             assert launch["grid"][1] == parts
     assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None

@@ -163,33 +163,6 @@ def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
         check_mma_against_float64(big, qtype, n, k, b)
 
 
-@pytest.mark.parametrize("tile_warps, warps, b, parts", [(1, 3, 3, 1), (2, 6, 4, 1), (1, 2, 2, 2)])
-def test_tensor_core_shared_scales(tile_warps, warps, b, parts):
-    """mma_shared_scales=1 (Q4_K: each lane of a row pair makes one of the unit's four scale pairs
-    and mins, and takes the other three by shuffles): the products bit for bit those of the lanes
-    that make all four, on the same plan, and within float64's bound; warps alone or two a tile,
-    K in two parts, rows past the last whole tile, and scales past the first four groups (6-bit
-    values split over the header's bytes)."""
-    from muse_mlx.kernels import Device, Kernels
-    from metal_emulator import EmulatedKernel
-    outs = []
-    for shared in (0, 1):
-        config = KernelConfig(stream_groups=2, mma_warps=warps, mma_tile_warps=tile_warps, mma_parts=parts,
-                              mma_shared_scales=shared)
-        big = Kernels(Device("metal", 4, 1 << 20), config, build=lambda name, which, shared: EmulatedKernel(name))
-        p = plan.mma_plan(QT.Q4_K, 2048, 103, b, big.device, big.config)
-        assert (p.warps, p.tile_warps, p.parts) == (warps, tile_warps, parts), p
-        rng = np.random.default_rng([b, warps, 25])
-        w = random_blocks(103, 2048, QT.Q4_K, rng)
-        x = rng.standard_normal((b, 2048)).astype(np.float32)
-        out = np.array(big.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=NAN))
-        W = dense(w, QT.Q4_K, 103, 2048)
-        assert np.isfinite(out).all()
-        assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
-        outs.append(out)
-    assert np.array_equal(outs[0], outs[1])
-
-
 def test_tensor_core_matvec_carries_non_finite_x():
     """An infinite or NaN x gives non-finite products (the engine refuses non-finite logits),
     not finite garbage from the f16 scaling."""

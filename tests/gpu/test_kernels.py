@@ -349,29 +349,6 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
                  kernels=kernels, warps=p.warps, tile_warps=p.tile_warps)
 
 
-@pytest.mark.parametrize("shape", [(39936, 6656), (8704, 6656), (6656, 4096), (6656, 19968), (37, 768)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("batch", [2, 3, 4])
-def test_tensor_core_shared_scales(shape, batch):
-    """mma_shared_scales=1 (Q4_K: the four lanes of a row pair each make one of a unit's scale pairs
-    and mins and take the others by shuffles) against float64, and bit for bit the default's
-    products (the same values, the same sums): gate|up (a warp a tile), Q|K|gate|V (warps sharing
-    tiles), o_proj in eight parts of K, FFN down in six, 37 x 768."""
-    n, k = shape
-    rng = np.random.default_rng([SEED, n, k, batch, 13])
-    common = dict(mma_pair_min_rows=0, mma_min_rows=0)
-    shared = Kernels(gpu_device(), KernelConfig(mma_shared_scales=1, **common))
-    assert shared._takes_mma(QT.Q4_K, k, n, batch)
-    p = plan.mma_plan(QT.Q4_K, k, n, batch, shared.device, shared.config)
-    check_matvec("matvec_mma_shared_scales", QT.Q4_K, n, k, batch, rng, kernels=shared,
-                 warps=p.warps, tile_warps=p.tile_warps, parts=p.parts)
-    plain = Kernels(gpu_device(), KernelConfig(**common))
-    assert plan.mma_plan(QT.Q4_K, k, n, batch, plain.device, plain.config) == p
-    w = mx.array(random_blocks(n, k, QT.Q4_K, rng))
-    x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
-    assert np.array_equal(np.array(shared.matvec(w, QT.Q4_K, x)), np.array(plain.matvec(w, QT.Q4_K, x)))
-
-
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
