@@ -149,11 +149,14 @@ class RopeRows:
         block = int(positions[0]) // self.BLOCK
         if int(positions.max()) // self.BLOCK == block and int(positions.min()) >= block * self.BLOCK:
             if block != self.block:
-                cos, sin = rope_cos_sin(np.arange(block * self.BLOCK, (block + 1) * self.BLOCK), self.rope_dim,
-                                        self.base)
-                self.block, self.table = block, np.concatenate([cos, sin], axis=1)
+                self.block, self.table = block, self.block_rows(block)
             return self.table[positions - block * self.BLOCK]
         return np.concatenate(rope_cos_sin(positions, self.rope_dim, self.base), axis=1)
+
+    def block_rows(self, block: int) -> np.ndarray:
+        """The rows of positions block * BLOCK .. (block + 1) * BLOCK - 1, (BLOCK, rope_dim)."""
+        cos, sin = rope_cos_sin(np.arange(block * self.BLOCK, (block + 1) * self.BLOCK), self.rope_dim, self.base)
+        return np.concatenate([cos, sin], axis=1)
 
 
 class Model(nn.Module):
@@ -251,9 +254,11 @@ class Model(nn.Module):
             cache.check_room(T)
         positions = np.concatenate([np.arange(c.offset, c.offset + T, dtype=np.int64) for c in caches])
         rope_rows = self._rope.rows(positions)
-        kv = self._ops.kv_step(self.geometry, caches, T, rope_rows)
+        kv = self._ops.kv_step(self.geometry, caches, T, rope_rows, self._rope)
         if kv.compiled:   # a DecodePlan: the forward compiled for its key
             logits, *state = self._compiled_step(kv.key)(tokens, kv.rope, *kv.arrays)
+            if kv.after is not None:   # the step's outputs ahead of the storage (positions_on_gpu)
+                kv.after(state.pop(0))
             for b, cache in enumerate(caches):
                 n = len(cache.layers)
                 cache.rebind(state[b * n:(b + 1) * n], T)
@@ -296,8 +301,8 @@ class Model(nn.Module):
             model, kernels = weakref.ref(self), self._ops.kernels
 
             def step(tokens, rope, *arrays):
-                kv = DecodeStep(key, list(arrays), kernels)
-                return [model().forward(tokens, rope, kv, mx.float16), *kv.state]
+                kv = DecodeStep(key, rope, list(arrays), kernels)
+                return [model().forward(tokens, kv.rope, kv, mx.float16), *kv.outputs]
             fn = self._compiled[key] = mx.compile(step)
         return fn
 

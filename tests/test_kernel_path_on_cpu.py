@@ -337,6 +337,72 @@ def test_batched_decode_equals_each_sequence_alone(tmp_path, capacities):
             assert np.array_equal(np.array(x), np.array(y))
 
 
+def test_positions_on_gpu_give_the_same_bits(tmp_path):
+    """KernelConfig.positions_on_gpu: the compiled step makes each token's rows, attention
+    parameters and rope rows from device positions it returns plus one, and gives the logits of
+    the host-made arrays bit for bit: three sequences (one past its rings' wrap, two crossing a
+    block of rope rows, here 16 positions long; planes of two capacities, so that the layers'
+    groups differ between sequences), each step fed the last step's tokens unread, then one
+    sequence leaving. (Prompts in chunks of 8: the decode-sized path, fast on the CPU.)"""
+    g = DEFAULT_GEOMETRY
+    path = write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=4)
+    runs = []
+    for on in (0, 1):
+        ops = GpuOps(StandIns(KernelConfig(positions_on_gpu=on)))
+        model = Model(open_artifact(path), ops)
+        model._rope.BLOCK = 16
+        rng = np.random.default_rng(2)
+        caches = []
+        for n, capacity in zip((3, 12, g.sliding_window - 4), (100, 100, 80)):
+            caches.append(model.make_cache(capacity))
+            model.prefill(mx.array(rng.integers(0, g.n_vocab, n)), caches[-1], chunk=8)
+        rows, token = [], mx.array(rng.integers(0, g.n_vocab, 3)[:, None].astype(np.int32))
+        for n_seq, n_steps in ((3, 10), (2, 3)):
+            token = token[:n_seq]
+            for _ in range(n_steps):
+                logits = model(token, caches[:n_seq])[:, 0]
+                token = mx.argmax(logits, axis=-1).astype(mx.int32).reshape(n_seq, 1)
+                rows.append(np.array(logits))
+        if on:
+            assert any(key[0] == "positions" for key in model._compiled)
+            assert np.array_equal(np.array(ops._positions.positions), [c.offset for c in caches[:2]])
+        runs.append((rows, [c.offset for c in caches]))
+    (off, offsets_off), (on_rows, offsets_on) = runs
+    assert offsets_on == offsets_off == [16, 25, g.sliding_window + 6]
+    assert all(np.isfinite(r).all() for r in on_rows)
+    assert all(np.array_equal(a, b) for a, b in zip(on_rows, off))
+
+
+def test_device_positions_upload_only_when_the_offsets_move():
+    """DevicePositions: offsets where the last step left them take the step's own output (no
+    upload); any other offsets, or a sequence's new block of rope rows, are uploaded."""
+    from muse_mlx.model import RopeRows
+    from muse_mlx.ops.gpu import DevicePositions
+
+    class Cache:
+        def __init__(self, offset):
+            self.offset = offset
+    rope, dp = RopeRows(8, 10000.0), DevicePositions()
+    caches = [Cache(254), Cache(7)]
+    positions, tables = dp.plan(caches, rope)
+    assert np.array_equal(np.array(positions), [254, 7]) and tables.shape == (2, RopeRows.BLOCK, 8)
+    assert np.array_equal(np.array(tables[0]), rope.block_rows(0))
+    stepped = positions + 1
+    dp.after(stepped)
+    for c in caches:
+        c.offset += 1
+    assert dp.plan(caches, rope) == (stepped, tables)            # the step's output, the same tables
+    dp.after(stepped + 1)
+    for c in caches:
+        c.offset += 1
+    positions, tables2 = dp.plan(caches, rope)                   # 256: the first sequence's next block
+    assert np.array_equal(np.array(positions), [256, 9]) and tables2 is not tables
+    assert np.array_equal(np.array(tables2[0]), rope.block_rows(1))
+    caches[1].offset = 3                                          # a slot restored elsewhere: uploaded
+    positions, _ = dp.plan(caches, rope)
+    assert np.array_equal(np.array(positions), [256, 3])
+
+
 def test_decode_step_writes_one_kv_row_a_sequence_a_layer(tmp_path, monkeypatch):
     """K and V of a layer share one storage array (kv.py), so the compiled step writes a token's
     K|V row of each sequence with one scatter a layer: n_layer x B writes a step, each of one

@@ -209,10 +209,11 @@ class ReferenceOps:
         r = x + rms_norm(f, w_post, eps_post)
         return r, rms_norm(r, w_next, eps_next)
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray):
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray, rope=None):
         """How this forward reaches the caches: a ChunkStep (attend, in place), or on the GPU a
         DecodePlan (`compiled`: the forward runs as the compiled decode step, with its `rope` made
-        from rope_rows, the tokens' cos|sin rows, among its other per-token arrays)."""
+        from rope_rows, the tokens' cos|sin rows, among its other per-token arrays; rope: the
+        model's RopeRows, whose blocks of rows the GPU step may keep on the device)."""
         return ChunkStep(g, caches, T)
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:

@@ -170,6 +170,40 @@ def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
     assert ok, (d_batch, d_ref, agree)
 
 
+@pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
+def test_positions_on_gpu_give_the_same_bits(fixture_files, name):
+    """KernelConfig.positions_on_gpu: the decode step's rows, attention parameters and rope rows
+    made on the device from positions the step carries forward give the same logits, bit for
+    bit, as the host-made ones: B = 3 sequences (one past a ring's wrap, one crossing a block of
+    256 rope rows), each step fed the last one's greedy tokens without a readback, then one
+    sequence leaving, then B = 1."""
+    g = DEFAULT_GEOMETRY
+    rng = np.random.default_rng([SEED, 32])
+    prompts = [rng.integers(0, g.n_vocab, n) for n in (3, 250, g.sliding_window + 9)]
+    first = rng.integers(0, g.n_vocab, len(prompts))
+
+    def decode(on):
+        model = load(fixture_files[name], "gpu", kernel_config=KernelConfig(positions_on_gpu=on))
+        caches = []
+        for p in prompts:
+            caches.append(model.make_cache(300))
+            model.prefill(mx.array(p), caches[-1])
+        rows, token = [], mx.array(first[:, None].astype(np.int32))
+        for n_seq, n_steps in ((3, 10), (2, 3), (1, 3)):
+            token = token[:n_seq]
+            for _ in range(n_steps):
+                logits = model(token, caches[:n_seq])[:, 0]
+                token = mx.argmax(logits, axis=-1).astype(mx.int32).reshape(n_seq, 1)
+                rows.append(logits)
+        return [np.array(r) for r in rows], [c.offset for c in caches]
+
+    (on, offsets_on), (off, offsets_off) = decode(1), decode(0)
+    same = offsets_on == offsets_off and all(np.array_equal(a, b) for a, b in zip(on, off))
+    ok = bool(same and all(np.isfinite(r).all() for r in on))
+    record("positions_on_gpu", fixture=name, steps=len(on), offsets=offsets_on, **{"pass": ok})
+    assert ok
+
+
 def check_logits(fixture_files, name, kernel_config=KernelConfig(), **extra):
     """The kernel path against the reference path, its 100-token prefill on the float32 lane
     (prefill_f16 = 0: the reference's arithmetic; the f16 lane is held to the oracle below)."""
