@@ -61,13 +61,6 @@ class KernelConfig:
         memory; 0 = always the fewest that fit. 6: FFN down's 19,968 in six parts (Q4_K 62 -> 43
         us, Q6_K 96 -> 81 at B = 4), o_proj's 4,096 in eight (20.5 -> 16.9), 6,656 whole; the
         packed step at B = 4 270.6 -> 282.6 tok/s (c202a3c).
-    positions_on_gpu: what the compiled decode step reads of each token's host-made values: 1 = the
-        sequences' positions as a device array that the step returns plus one for the next token
-        (uploaded only when the slots' offsets are not where the last step left them), the rope
-        rows a block of 256 positions at a time, the rows written and the attention's parameters
-        made in the step from the positions; 0 = all of them made on the host every token (each
-        a managed-memory migration at the GPU's first read: ~0.3-0.55 ms a step under ncu on the
-        H200, d3a4708). The same values either way, so the same bits.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -112,7 +105,6 @@ class KernelConfig:
     mma_pair_min_rows: int = 1024
     mma_min_rows: int = 1024
     mma_parts: int = 6
-    positions_on_gpu: int = 0
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
@@ -125,7 +117,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
-                  "mma_parts": (0, 8), "positions_on_gpu": (0, 1),
+                  "mma_parts": (0, 8),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():

@@ -252,18 +252,16 @@ class Model(nn.Module):
             raise ValueError("the caches of one forward must share their dtype")
         for cache in caches:
             cache.check_room(T)
-        positions = np.concatenate([np.arange(c.offset, c.offset + T, dtype=np.int64) for c in caches])
-        rope_rows = self._rope.rows(positions)
-        kv = self._ops.kv_step(self.geometry, caches, T, rope_rows, self._rope)
+        kv = self._ops.kv_step(self.geometry, caches, T, self._rope)
         if kv.compiled:   # a DecodePlan: the forward compiled for its key
-            logits, *state = self._compiled_step(kv.key)(tokens, kv.rope, *kv.arrays)
-            if kv.after is not None:   # the step's outputs ahead of the storage (positions_on_gpu)
-                kv.after(state.pop(0))
+            logits, positions, *state = self._compiled_step(kv.key)(tokens, kv.positions, *kv.arrays)
+            kv.after(positions)
             for b, cache in enumerate(caches):
                 n = len(cache.layers)
                 cache.rebind(state[b * n:(b + 1) * n], T)
         else:
-            logits = self.forward(tokens, mx.array(rope_rows), kv, caches[0].dtype, last_only)
+            positions = np.concatenate([np.arange(c.offset, c.offset + T, dtype=np.int64) for c in caches])
+            logits = self.forward(tokens, mx.array(self._rope.rows(positions)), kv, caches[0].dtype, last_only)
         self._ops.ready()
         return logits
 
@@ -290,8 +288,8 @@ class Model(nn.Module):
         return logits.reshape(B, T, -1)
 
     def _compiled_step(self, key: tuple):
-        """The forward as an mx.compile'd function of (tokens, rope, the DecodePlan's arrays) ->
-        (logits, the storage with the token's rows written), traced once per key (a new split
+        """The forward as an mx.compile'd function of (tokens, positions, the DecodePlan's arrays) ->
+        (logits, the positions plus one, the storage with the token's rows written), traced once per key (a new split
         count: ~4 per doubling of the depth) and replayed by MLX for every other token. It holds
         the model weakly, so a model (whose weights the graph captures) is freed at `del`."""
         fn = self._compiled.get(key)
@@ -300,8 +298,8 @@ class Model(nn.Module):
 
             model, kernels = weakref.ref(self), self._ops.kernels
 
-            def step(tokens, rope, *arrays):
-                kv = DecodeStep(key, rope, list(arrays), kernels)
+            def step(tokens, positions, *arrays):
+                kv = DecodeStep(key, positions, list(arrays), kernels)
                 return [model().forward(tokens, kv.rope, kv, mx.float16), *kv.outputs]
             fn = self._compiled[key] = mx.compile(step)
         return fn

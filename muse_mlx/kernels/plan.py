@@ -8,7 +8,6 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
-import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ..config import KernelConfig
@@ -302,22 +301,6 @@ def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.
     if splits * chunk < n_valid:
         raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")
     return mx.array([n_valid, splits, 0, 0, 0, 0, 0, 0], dtype=mx.int32)
-
-
-def attention_params_table(n_valids: list[int], chunk: int, splits: int) -> np.ndarray:
-    """attention_params of several sequences sharing one split count, one row each: (S, 8) int32,
-    in host memory (the decode step makes it an array with its other per-token values)."""
-    rows = np.zeros((len(n_valids), 8), dtype=np.int32)
-    for row, n_valid in zip(rows, n_valids):
-        if splits * chunk < n_valid:
-            raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")
-        row[:2] = n_valid, splits
-    return rows
-
-
-def attention_params_rows(n_valids: list[int], chunk: int, splits: int) -> mx.array:
-    """attention_params_table as an MLX array."""
-    return mx.array(attention_params_table(n_valids, chunk, splits))
 
 
 def plane_chunk(n_valid: int, config: KernelConfig) -> int:

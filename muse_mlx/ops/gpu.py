@@ -38,29 +38,26 @@ class DecodePlan(NamedTuple):
     """What the compiled decode step over B sequences needs from the host for one token.
 
     key: the trace key (B; per sequence, the group of each layer; per group, the attention's
-    rows per split and split count, trace constants; with positions on the device, the groups'
-    kinds too); rope: cos|sin of each sequence's angles (B, rope width); arrays: per sequence and
-    group, the row to write (int32 shaped like a row of K|V, (2, n_kv, 1, hd): put_along_axis's
-    indices), then per group the attention parameters of the B sequences
-    (plan.attention_params_table, (B, 8)), then every cache's storage (SlotCache.state order: one
-    K|V array a layer).
-    With KernelConfig.positions_on_gpu, `rope` is the sequences' positions instead (B,) int32 on
-    the device, arrays begin with the rope rows of each position's block of RopeRows.BLOCK (B,
-    BLOCK, rope width) and then the storage: the step makes the rows, parameters and cos|sin from
-    them and returns the positions plus one, which `after` keeps for the next token."""
+    rows per split and split count; the groups' kinds: ring or plane, and capacity); positions:
+    the sequences' positions (B,) int32 on the device; arrays: the rope rows of each position's
+    block of RopeRows.BLOCK (B, BLOCK, rope width), then every cache's storage (SlotCache.state
+    order: one K|V array a layer). The step makes the rows it writes, the attention's parameters
+    and the cos|sin rows from the positions and returns them plus one, which `after` keeps for
+    the next token (DevicePositions)."""
     key: tuple
-    rope: mx.array
+    positions: mx.array
     arrays: list
+    after: object
     compiled: bool = True
-    after: object = None
 
 
 class DevicePositions:
-    """The decode step's positions kept on the device from one token to the next
-    (KernelConfig.positions_on_gpu): a token whose sequences stand where the last step left them
-    takes the step's own output, so nothing the host writes is read by that step; other offsets
-    (a slot joined, left, or was restored) are uploaded once. The rope rows go up a block of
-    RopeRows.BLOCK positions at a time."""
+    """The decode step's positions kept on the device from one token to the next: a token whose
+    sequences stand where the last step left them takes the step's own output, so the step reads
+    nothing the host wrote that token; other offsets (a slot joined, left, or was restored) are
+    uploaded once. The rope rows go up a block of RopeRows.BLOCK positions at a time. (Host-made
+    rows, parameters and cos|sin every token cost ~0.3-0.55 ms a step on the H200, each array a
+    managed-memory migration at the GPU's first read; docs/ledger.md 2026-12-04.)"""
 
     def __init__(self):
         self.offsets, self.positions = None, None     # offsets the device array holds, and it
@@ -81,16 +78,15 @@ class DevicePositions:
         self.offsets, self.positions = tuple(o + 1 for o in self.offsets), positions
 
 
-def decode_plan(caches: list[SlotCache], kernels: Kernels, rope_rows: np.ndarray,
-                device_positions: DevicePositions | None = None, rope=None) -> DecodePlan:
-    """The next token's DecodePlan (rope_rows: the sequences' cos|sin rows). Layers whose storage
-    has one kind and capacity (the rings; the planes) form a group that shares a row index and a
-    parameter array; a group's split count is the largest any sequence needs (the others' extra
-    splits weigh zero), rounded up (plan.attention_splits) so that one trace serves many tokens;
-    a plane group's rows per split from the deepest sequence's rows (plan.plane_chunk). The
-    layers of one cache are at one offset, so each group's first layer speaks for the group
-    (this runs once a token: a loop over groups, not over the layers). With device_positions
-    (and the model's RopeRows), the plan of KernelConfig.positions_on_gpu (DecodePlan)."""
+def decode_plan(caches: list[SlotCache], kernels: Kernels, device_positions: DevicePositions, rope) -> DecodePlan:
+    """The next token's DecodePlan (rope: the model's RopeRows). Layers whose storage has one kind
+    and capacity (the rings; the planes) form a group that shares a row index and a parameter
+    array; a group's split count is the largest any sequence needs (the others' extra splits
+    weigh zero), rounded up (plan.attention_splits) so that one trace serves many tokens; a plane
+    group's rows per split from the deepest sequence's rows (plan.plane_chunk). The layers of one
+    cache are at one offset, so each group's first layer speaks for the group (this runs once a
+    token: a loop over groups, not over the layers). The context limit: Model checks each
+    cache's room first."""
     config = kernels.config
     groups: dict[tuple, int] = {}
     layer_groups, firsts = [], []   # per cache: the group of each layer; group -> its first layer
@@ -105,57 +101,31 @@ def decode_plan(caches: list[SlotCache], kernels: Kernels, rope_rows: np.ndarray
                    for gi, (ring, _) in enumerate(kinds))
     splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
                    for gi in range(len(kinds)))
-    if device_positions is not None:   # (the context limit: Model checks each cache's room first)
-        positions, tables = device_positions.plan(caches, rope)
-        key = ("positions", len(caches), tuple(layer_groups), chunks, splits, tuple(kinds))
-        arrays = [tables]
-        for cache in caches:
-            arrays += cache.state()
-        return DecodePlan(key, positions, arrays, after=device_positions.after)
-    pieces = [rope_rows.astype(np.float32, copy=False)]
-    for cache, first in zip(caches, firsts):
-        _, n_kv, _, head_dim = cache.layers[0].kv.shape
-        for gi in range(len(kinds)):
-            row = first[gi].next_row if gi in first else 0
-            pieces.append(np.full((2, n_kv, 1, head_dim), row, dtype=np.int32))
-    for gi in range(len(kinds)):
-        pieces.append(kplan.attention_params_table([max(1, valid.get(gi, 0)) for valid in n_valid], chunks[gi],
-                                                   splits[gi]))
-    rope, *arrays = [mx.array(p) for p in pieces]
+    positions, tables = device_positions.plan(caches, rope)
+    arrays = [tables]
     for cache in caches:
         arrays += cache.state()
-    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits), rope, arrays)
+    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits, tuple(kinds)), positions, arrays,
+                      device_positions.after)
 
 
 class DecodeStep:
     """One decode token of B sequences inside the compiled step: writes each layer's new K|V row
-    into each sequence's storage array with put_along_axis at the plan's rows (MLX's scatter: a
-    thread per element written, where a slice update at an array row launches one per element
-    stored; one scatter a sequence a layer, K and V being one array) and attends with the split decode kernel: the B sequences in one launch where a layer's
-    storage has one group for all of them, else one launch each. `state` is the storage with
-    the rows written."""
+    into each sequence's storage array with put_along_axis at the rows made from the positions
+    (MLX's scatter: a thread per element written, where a slice update at an array row launches
+    one per element stored; one scatter a sequence a layer, K and V being one array) and attends
+    with the split decode kernel: the B sequences in one launch where a layer's storage has one
+    group for all of them, else one launch each. `state` is the storage with the rows written.
 
-    def __init__(self, key: tuple, rope: mx.array, arrays: list, kernels: Kernels):
+    From the positions (B,) int32: a ring's row is position % its capacity, a plane's the
+    position; n_valid min(position + 1, capacity) (the attention's parameters,
+    plan.attention_params's layout); the cos|sin row the position's row of its block; a
+    group a sequence lacks writes row 0 with n_valid 1 (its extra splits weigh zero)."""
+
+    def __init__(self, key: tuple, positions: mx.array, arrays: list, kernels: Kernels):
         self.kernels = kernels
-        self.positions_next = None
-        if key[0] == "positions":
-            self._from_positions(key[1:], rope, arrays)
-        else:
-            self.B, self.layer_groups, self.chunks, self.splits = key
-            n_groups = len(self.chunks)
-            n_rows = self.B * n_groups
-            self.rope = rope
-            self.rows = [arrays[b * n_groups:(b + 1) * n_groups] for b in range(self.B)]
-            self.params = list(arrays[n_rows:n_rows + n_groups])    # per group, (B, 8)
-            self.state = list(arrays[n_rows + n_groups:])
-        self.n_layer = len(self.layer_groups[0])
-
-    def _from_positions(self, key: tuple, positions: mx.array, arrays: list) -> None:
-        """The rows, parameters and cos|sin rows of decode_plan's host path, made in the step from
-        the positions (B,) int32 (KernelConfig.positions_on_gpu): a ring's row is position % its
-        capacity, a plane's the position; n_valid min(position + 1, capacity); a group a sequence
-        lacks writes row 0 with n_valid 1, as decode_plan does. The same values, so the same bits."""
         self.B, self.layer_groups, self.chunks, self.splits, kinds = key
+        self.n_layer = len(self.layer_groups[0])
         tables, self.state = arrays[0], list(arrays[1:])
         block = tables.shape[1]
         self.rope = mx.take_along_axis(tables, (positions % block).reshape(self.B, 1, 1), axis=1).reshape(self.B, -1)
@@ -178,9 +148,8 @@ class DecodeStep:
 
     @property
     def outputs(self) -> list:
-        """What the compiled step returns after the logits: the next positions (with positions on
-        the device), then the storage."""
-        return ([self.positions_next] if self.positions_next is not None else []) + self.state
+        """What the compiled step returns after the logits: the next positions, then the storage."""
+        return [self.positions_next] + self.state
 
     def attend(self, i: int, q: mx.array, kv: mx.array, gate: Slice) -> mx.array:
         """Layer i: q (B, n_head, hd) f32, kv (2, n_kv, B, hd) f16 K|V -> the gated attention (B, n_head*hd).
@@ -288,7 +257,7 @@ class GpuOps(ReferenceOps):
         self._in_flight: list[list[mx.array]] = []   # the long chunk's layers submitted, not yet waited for
         self._ahead: dict[tuple, mx.array] = {}   # tensors begin_weights loaded, until the model takes them
         self._l1_max: dict[int, mx.array] = {}   # id of a raw matrix's data -> its f16 values' largest row L1 norm
-        self._positions = DevicePositions()   # KernelConfig.positions_on_gpu
+        self._positions = DevicePositions()   # the decode step's, from token to token
 
     @property
     def backend(self) -> str:
@@ -394,15 +363,13 @@ class GpuOps(ReferenceOps):
         self.kernels.ready()
         self._in_flight.clear()   # the forward's outputs are evaluated next, which waits for them all
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray, rope=None):
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope):
         f16 = all(c.dtype == mx.float16 for c in caches)
         if T == 1 and f16:
-            if self.kernels.config.positions_on_gpu and rope is not None:
-                return decode_plan(caches, self.kernels, rope_rows, self._positions, rope)
-            return decode_plan(caches, self.kernels, rope_rows)
+            return decode_plan(caches, self.kernels, self._positions, rope)
         if f16 and len(caches) * T > kplan.MAX_BATCH and self.flash_prefill(g):
             return ChunkStep(g, caches, T, self._flash_rows)
-        return super().kv_step(g, caches, T, rope_rows)
+        return super().kv_step(g, caches, T, rope)
 
     def flash_prefill(self, g: Geometry) -> bool:
         """Whether a long chunk's attention takes _flash_rows (MLX's fused attention or the flash

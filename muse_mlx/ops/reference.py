@@ -209,11 +209,11 @@ class ReferenceOps:
         r = x + rms_norm(f, w_post, eps_post)
         return r, rms_norm(r, w_next, eps_next)
 
-    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope_rows: np.ndarray, rope=None):
-        """How this forward reaches the caches: a ChunkStep (attend, in place), or on the GPU a
-        DecodePlan (`compiled`: the forward runs as the compiled decode step, with its `rope` made
-        from rope_rows, the tokens' cos|sin rows, among its other per-token arrays; rope: the
-        model's RopeRows, whose blocks of rows the GPU step may keep on the device)."""
+    def kv_step(self, g: Geometry, caches: list[SlotCache], T: int, rope):
+        """How this forward reaches the caches: a ChunkStep (attend, in place; the forward takes
+        the tokens' cos|sin rows), or on the GPU a DecodePlan (`compiled`: the forward runs as the
+        compiled decode step, which makes its cos|sin rows from the sequences' positions and
+        blocks of the rows of rope, the model's RopeRows)."""
         return ChunkStep(g, caches, T)
 
     def end_layer(self, kv, i: int, *arrays: mx.array) -> None:

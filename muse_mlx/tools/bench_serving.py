@@ -178,8 +178,11 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
     """The server's engine loop (slots.Scheduler, no HTTP) with `slots` slots: as many requests of
     `prompt` random token ids and `tokens` greedy tokens, submitted at once (llama-batched-bench's
     -npp prompt -ntg tokens -npl slots). Per repetition: each request's time to its first token
-    from the submission, and the aggregate decode rate once every request has its first token
-    (tokens after that moment over the time to the last one)."""
+    from the submission, the aggregate decode rate once every request has its first token
+    (tokens after that moment over the time to the last one), the gaps between the first
+    request's tokens (median, largest, how many over twice the median) and Python's garbage
+    collections meanwhile (count and pause by generation): what a slow repetition was made of."""
+    import gc
     import threading
 
     from ..sampling import SamplerSettings
@@ -191,6 +194,15 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
     def once(seed: int) -> dict:
         times: list[list[float]] = [[] for _ in range(slots)]
         done = [threading.Event() for _ in range(slots)]
+        pauses: dict[int, list[float]] = {}
+        began = [0.0]
+
+        def on_gc(phase, info):
+            if phase == "start":
+                began[0] = time.perf_counter()
+            else:
+                pauses.setdefault(info["generation"], []).append(time.perf_counter() - began[0])
+        gc.callbacks.append(on_gc)
         t0 = time.perf_counter()
         for i in range(slots):
             ids = np.random.default_rng(seed * 16 + i).integers(0, model.geometry.n_vocab, prompt).tolist()
@@ -203,14 +215,25 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
             sched.submit(Request(ids, tokens, SamplerSettings(), emit))
         for d in done:
             d.wait()
+        gc.callbacks.remove(on_gc)
         end = max(t[-1] for t in times if t)
         first = max(t[0] for t in times if t)
         after = sum(1 for t in times for x in t if x > first)
+        gaps = np.diff(times[0]) * 1e3 if len(times[0]) > 2 else np.zeros(1)
+        median = float(np.median(gaps))
         run = {"ttft_s": [t[0] - t0 if t else None for t in times], "generated": [len(t) for t in times],
                "aggregate_tok_s": after / (end - first) if end > first else None, "wall_s": end - t0,
-               "compiled_steps": len(getattr(model, "_compiled", {}))}   # traces so far (each B and split key)
+               "compiled_steps": len(getattr(model, "_compiled", {})),   # traces so far (each B and split key)
+               "token_gaps_ms": {"median": median, "max": float(gaps.max()),
+                                 "over_twice_median": int((gaps > 2 * median).sum()),
+                                 "largest": [round(float(x), 3) for x in np.sort(gaps)[-5:][::-1]]},
+               "gc": {str(gen): {"collections": len(p), "pause_ms": round(sum(p) * 1e3, 3),
+                                 "max_pause_ms": round(max(p, default=0.0) * 1e3, 3)}
+                      for gen, p in sorted(pauses.items())}}
+        gaps = run["token_gaps_ms"]
         print(f"  engine loop, {slots} slot(s), run {seed}: {run['wall_s']:.2f} s, {run['compiled_steps']} compiled "
-              f"steps so far", file=sys.stderr, flush=True)
+              f"steps so far; token gaps median {gaps['median']:.2f} ms, largest {gaps['largest']}; gc "
+              f"{run['gc']}", file=sys.stderr, flush=True)
         return run
 
     try:
