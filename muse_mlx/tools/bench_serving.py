@@ -174,14 +174,21 @@ def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dic
             "per_sequence_tok_s": agg["mean"] / batch}
 
 
+def _mlx_memory() -> dict:
+    """MLX's allocator: MB active, held in its cache, and the peak so far."""
+    return {"active": round(mx.get_active_memory() / 2**20, 1), "cache": round(mx.get_cache_memory() / 2**20, 1),
+            "peak": round(mx.get_peak_memory() / 2**20, 1)}
+
+
 def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps: int = 2) -> dict:
     """The server's engine loop (slots.Scheduler, no HTTP) with `slots` slots: as many requests of
     `prompt` random token ids and `tokens` greedy tokens, submitted at once (llama-batched-bench's
     -npp prompt -ntg tokens -npl slots). Per repetition: each request's time to its first token
     from the submission, the aggregate decode rate once every request has its first token
     (tokens after that moment over the time to the last one), the gaps between the first
-    request's tokens (median, largest, how many over twice the median) and Python's garbage
-    collections meanwhile (count and pause by generation): what a slow repetition was made of."""
+    request's tokens (median, the largest and at which tokens, how many over twice the median),
+    Python's garbage collections meanwhile (count and pause by generation) and MLX's memory
+    (active, cached, peak) at its start and end: what a slow repetition was made of."""
     import gc
     import threading
 
@@ -203,6 +210,7 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
             else:
                 pauses.setdefault(info["generation"], []).append(time.perf_counter() - began[0])
         gc.callbacks.append(on_gc)
+        memory_at_start = _mlx_memory()
         t0 = time.perf_counter()
         for i in range(slots):
             ids = np.random.default_rng(seed * 16 + i).integers(0, model.geometry.n_vocab, prompt).tolist()
@@ -226,14 +234,16 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
                "compiled_steps": len(getattr(model, "_compiled", {})),   # traces so far (each B and split key)
                "token_gaps_ms": {"median": median, "max": float(gaps.max()),
                                  "over_twice_median": int((gaps > 2 * median).sum()),
-                                 "largest": [round(float(x), 3) for x in np.sort(gaps)[-5:][::-1]]},
+                                 "largest": [round(float(x), 3) for x in np.sort(gaps)[-5:][::-1]],
+                                 "largest_at": [int(i) + 1 for i in np.argsort(gaps)[-5:][::-1]]},   # token index
+               "mlx_memory_mb": {"at_start": memory_at_start, "at_end": _mlx_memory()},
                "gc": {str(gen): {"collections": len(p), "pause_ms": round(sum(p) * 1e3, 3),
                                  "max_pause_ms": round(max(p, default=0.0) * 1e3, 3)}
                       for gen, p in sorted(pauses.items())}}
         gaps = run["token_gaps_ms"]
         print(f"  engine loop, {slots} slot(s), run {seed}: {run['wall_s']:.2f} s, {run['compiled_steps']} compiled "
-              f"steps so far; token gaps median {gaps['median']:.2f} ms, largest {gaps['largest']}; gc "
-              f"{run['gc']}", file=sys.stderr, flush=True)
+              f"steps so far; token gaps median {gaps['median']:.2f} ms, largest {gaps['largest']} at tokens "
+              f"{gaps['largest_at']}; gc {run['gc']}; MLX memory MB {run['mlx_memory_mb']}", file=sys.stderr, flush=True)
         return run
 
     try:
