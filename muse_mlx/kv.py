@@ -97,8 +97,8 @@ class _Rows:
         self.offset = offset
 
     def rebind(self, kv: mx.array, n_new: int) -> None:
-        """Take `kv` (this storage with rows for the next n_new positions already written at
-        `next_row` on: a compiled step's output) as the storage, n_new tokens on."""
+        """Take `kv` (this storage with the rows of the next n_new positions already written: a
+        compiled step's output) as the storage, n_new tokens on."""
         if kv.shape != self.kv.shape:
             raise ValueError(f"rebind needs storage of shape {self.kv.shape}, got {kv.shape}")
         self.kv = kv
@@ -115,8 +115,6 @@ class SlidingRing(_Rows):
     @property
     def write_pointer(self) -> int:
         return self.offset % self.capacity
-
-    next_row = write_pointer  # the row the next position is written to
 
     @property
     def origin(self) -> int:
@@ -152,13 +150,6 @@ class GrowingPlane(_Rows):
 
     def row_positions(self) -> np.ndarray:
         return np.arange(self.offset, dtype=np.int64)
-
-    @property
-    def next_row(self) -> int:
-        """The row the next position is written to."""
-        if self.offset >= self.capacity:
-            raise ContextLimitError(f"context full: the slot's {self.capacity} positions are used")
-        return self.offset
 
     def view(self) -> tuple[mx.array, np.ndarray]:
         return self.kv[:, :, :self.offset, :], self.row_positions()
