@@ -319,6 +319,8 @@ def _command(argv=None) -> int:
                    "requests at once, as llama-batched-bench -npl N; '' for none)")
     p.add_argument("--sched-prompt", type=int, default=512, help="prompt tokens of each engine-loop request")
     p.add_argument("--sched-tokens", type=int, default=128, help="greedy tokens of each engine-loop request")
+    p.add_argument("--sched-reps", type=int, default=2, help="timed repetitions of each engine-loop cell (>= 1), "
+                   "after one untimed")
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--workdir", help="where packs are written (default: a temporary folder)")
     p.add_argument("--receipt")
@@ -332,9 +334,9 @@ def _command(argv=None) -> int:
     kernel_config = KernelConfig.parse(args.kernel_config)
     warm, batches = ints(args.warm, "--warm"), ints(args.batch, "--batch")
     sched_slots = ints(args.scheduler, "--scheduler")
-    if any(not 1 <= v <= 4 for v in sched_slots) or args.sched_prompt < 1 or args.sched_tokens < 1:
-        raise MuseError("--scheduler values must be 1..4 (the server's --parallel), --sched-prompt and "
-                        "--sched-tokens >= 1")
+    if any(not 1 <= v <= 4 for v in sched_slots) or min(args.sched_prompt, args.sched_tokens, args.sched_reps) < 1:
+        raise MuseError("--scheduler values must be 1..4 (the server's --parallel), --sched-prompt, "
+                        "--sched-tokens and --sched-reps >= 1")
     matvec_rows = ints(args.matvec_rows, "--matvec-rows")
     matvec_configs = KernelConfig.parse_tagged(args.matvec_configs, "--matvec-configs")
     if any(v < 1 for v in warm + batches) or args.depth < 0 or args.decode_tokens < 1 or args.cold_reps < 1:
@@ -349,7 +351,9 @@ def _command(argv=None) -> int:
     t = time.perf_counter()
     model = load(args.model, backend="reference" if args.reference else "gpu", kernel_config=kernel_config)
     metrics = {"load_s": time.perf_counter() - t, "kernel_config": dataclasses.asdict(kernel_config), "warm": [],
-               "batch": [], "matvec_rows": [], "scheduler": []}
+               "batch": [], "matvec_rows": [], "scheduler": [],
+               # MLX's own tuning variables as this process saw them (MLX reads them; the bench only reports them)
+               "mlx_environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="muse-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -385,7 +389,7 @@ def _command(argv=None) -> int:
 
             tokenizer = MuseTokenizer(model.artifact.vocabulary)
         for n in sched_slots:
-            cell = scheduler_cell(model, tokenizer, n, args.sched_prompt, args.sched_tokens)
+            cell = scheduler_cell(model, tokenizer, n, args.sched_prompt, args.sched_tokens, args.sched_reps)
             metrics["scheduler"].append(cell)
             agg, ttft = cell["aggregate_tok_s"], cell["ttft_s"]
             print(f"engine loop, {n} slot(s): {agg['mean'] if agg else float('nan'):.1f} tok/s aggregate, first token "
