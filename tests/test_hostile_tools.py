@@ -528,7 +528,8 @@ def test_bench_combine_still_works(tmp_path, capsys):
     (["--matvec-rows", "2", "--matvec-configs", "a:stream_batch_rf=3"], "stream_batch_rf must be 0, 1, 2 or 4"),
     (["--matvec-rows", "2", "--reference"], "the MLX-ops backend (--reference) has none"),
     (["--scheduler", "5"], "--scheduler values must be 1..4"),
-    (["--scheduler", "2", "--sched-tokens", "0"], "--sched-tokens >= 1"),
+    (["--scheduler", "2", "--sched-tokens", "0"], "--sched-tokens and --sched-reps >= 1"),
+    (["--scheduler", "2", "--sched-reps", "0"], "--sched-tokens and --sched-reps >= 1"),
     (["--cold-reps", "0"], "--cold-reps must be >= 1"),
 ])
 def test_bench_serving_matvec_flags(argv, says, capsys):

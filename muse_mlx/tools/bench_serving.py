@@ -153,25 +153,65 @@ def warm_cell(model, model_id: dict, length: int, cold: bool, workdir: Path, col
     return out
 
 
+def _host_counters() -> dict:
+    """The host's side of a timed window: this process's CPU seconds (all threads) and the
+    machine's stolen CPU seconds (/proc/stat's steal: time a virtual machine's CPUs waited for the
+    hypervisor; absent where the file is)."""
+    out = {"process_cpu_s": time.process_time()}
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        out["steal_s"] = int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def _host_delta(start: dict, end: dict) -> dict:
+    return {k: round(end[k] - start[k], 4) for k in start if k in end}
+
+
 def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dict:
-    caches = [model.make_cache(depth + (reps + 1) * tokens + 8) for _ in range(batch)]
+    """The packed step alone: `batch` sequences at `depth` random rows, `tokens` greedy steps,
+    pipelined. Per repetition also the host's part: the seconds spent building and submitting the
+    steps (the model call and async_eval), the process's CPU seconds and the machine's stolen ones."""
+    caches = [model.make_cache(depth + (reps + 1) * (tokens + 8) + 8) for _ in range(batch)]
+    hosts: list[dict] = []
 
     def once() -> float:
         for c in caches:
             c.fill_random(depth)
         tok = mx.zeros((batch, 1), dtype=mx.int32)
         mx.eval(tok)
+        counters = _host_counters()
+        built = 0.0
         t = time.perf_counter()
         for _ in range(tokens):
+            b = time.perf_counter()
             tok = mx.argmax(model(tok, caches)[:, -1], axis=-1).astype(mx.int32).reshape(batch, 1)
             mx.async_eval(tok)
+            built += time.perf_counter() - b
         mx.eval(tok)
-        return batch * tokens / (time.perf_counter() - t)
+        wall = time.perf_counter() - t
+        host = {"build_submit_ms_per_step": round(built / tokens * 1e3, 3), **_host_delta(counters, _host_counters())}
+        synced = []   # a few steps with a wait after each: the host's build alone, then what the GPU had left
+        for _ in range(8):
+            b = time.perf_counter()
+            tok = mx.argmax(model(tok, caches)[:, -1], axis=-1).astype(mx.int32).reshape(batch, 1)
+            mx.async_eval(tok)
+            m = time.perf_counter()
+            mx.eval(tok)
+            synced.append((m - b, time.perf_counter() - m))
+        host["synced_build_ms"] = round(float(np.median([x[0] for x in synced])) * 1e3, 3)
+        host["synced_wait_ms"] = round(float(np.median([x[1] for x in synced])) * 1e3, 3)
+        hosts.append(host)
+        return batch * tokens / wall
 
     once()
+    hosts.clear()
     agg = _stats([once() for _ in range(reps)])
     return {"batch": batch, "depth": depth, "tokens_per_sequence": tokens, "aggregate_tok_s": agg,
-            "per_sequence_tok_s": agg["mean"] / batch}
+            "per_sequence_tok_s": agg["mean"] / batch, "host": hosts}
 
 
 def _mlx_memory() -> dict:
@@ -211,6 +251,7 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
                 pauses.setdefault(info["generation"], []).append(time.perf_counter() - began[0])
         gc.callbacks.append(on_gc)
         memory_at_start = _mlx_memory()
+        counters = _host_counters()
         t0 = time.perf_counter()
         for i in range(slots):
             ids = np.random.default_rng(seed * 16 + i).integers(0, model.geometry.n_vocab, prompt).tolist()
@@ -237,13 +278,15 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
                                  "largest": [round(float(x), 3) for x in np.sort(gaps)[-5:][::-1]],
                                  "largest_at": [int(i) + 1 for i in np.argsort(gaps)[-5:][::-1]]},   # token index
                "mlx_memory_mb": {"at_start": memory_at_start, "at_end": _mlx_memory()},
+               "host": _host_delta(counters, _host_counters()),
                "gc": {str(gen): {"collections": len(p), "pause_ms": round(sum(p) * 1e3, 3),
                                  "max_pause_ms": round(max(p, default=0.0) * 1e3, 3)}
                       for gen, p in sorted(pauses.items())}}
         gaps = run["token_gaps_ms"]
         print(f"  engine loop, {slots} slot(s), run {seed}: {run['wall_s']:.2f} s, {run['compiled_steps']} compiled "
               f"steps so far; token gaps median {gaps['median']:.2f} ms, largest {gaps['largest']} at tokens "
-              f"{gaps['largest_at']}; gc {run['gc']}; MLX memory MB {run['mlx_memory_mb']}", file=sys.stderr, flush=True)
+              f"{gaps['largest_at']}; host {run['host']}; gc {run['gc']}; MLX memory MB {run['mlx_memory_mb']}",
+              file=sys.stderr, flush=True)
         return run
 
     try:
@@ -383,7 +426,8 @@ def _command(argv=None) -> int:
             cell = batch_cell(model, b, args.depth, args.decode_tokens)
             metrics["batch"].append(cell)
             print(f"batch {b}: {cell['aggregate_tok_s']['mean']:.1f} tok/s aggregate (CV "
-                  f"{cell['aggregate_tok_s']['cv']:.2%}), {cell['per_sequence_tok_s']:.1f} per sequence", flush=True)
+                  f"{cell['aggregate_tok_s']['cv']:.2%}), {cell['per_sequence_tok_s']:.1f} per sequence; host "
+                  f"{cell['host']}", flush=True)
         if sched_slots:
             from ..tokenizer import MuseTokenizer
 
