@@ -94,3 +94,46 @@ def test_slot_room():
     cache.check_room(70)
     with pytest.raises(ContextLimitError, match="70"):
         cache.check_room(71)
+
+
+def test_slots_of_a_pool_hold_their_own_rows():
+    """slot_caches: one array a layer for every slot, slot s's rows at s * capacity; each slot
+    writes, reads, restores and takes only its own rows (kv.py)."""
+    from muse_mlx.kv import slot_caches
+
+    g = DEFAULT_GEOMETRY
+    caches = slot_caches(g, 40, 3)
+    assert len({id(c.pool) for c in caches}) == 1 and [c.slot for c in caches] == [0, 1, 2]
+    ring = next(i for i in range(g.n_layer) if g.is_swa(i))
+    plane = next(i for i in range(g.n_layer) if not g.is_swa(i))
+    for i in (ring, plane):
+        cap = caches[0].layers[i].capacity
+        assert caches[0].pool.arrays[i].shape == (2, g.n_head_kv, 3 * cap, g.head_dim)
+    for s, c in enumerate(caches):     # slot s writes positions 0..9 + 100 s
+        for layer in c.layers:
+            layer.append(rows_for(np.arange(10) + 100 * s, g.n_head_kv, g.head_dim))
+    for s, c in enumerate(caches):
+        for i in (ring, plane):
+            mapping, _ = held(c.layers[i])
+            assert mapping == {p: p + 100 * s for p in range(10)}
+        assert c.nbytes == SlotCache(g, 40).nbytes
+    whole = np.array(caches[0].pool.arrays[plane][0, 0, :, 0].astype(mx.float32))
+    cap = caches[0].layers[plane].capacity
+    assert [whole[s * cap + 3] for s in range(3)] == [3, 103, 203]
+    alone = SlotCache(g, 40)            # a restored cache taken into slot 1: its rows and offset only
+    for layer in alone.layers:
+        layer.append(rows_for(np.arange(7) + 900, g.n_head_kv, g.head_dim))
+    caches[1].take(alone)
+    assert caches[1].offset == 7 and caches[0].offset == caches[2].offset == 10
+    assert held(caches[1].layers[plane])[0] == {p: p + 900 for p in range(7)}
+    assert held(caches[2].layers[plane])[0] == {p: p + 200 for p in range(10)}
+    with pytest.raises(ValueError, match="same geometry, context and dtype"):
+        caches[0].take(SlotCache(g, 41))
+
+
+def test_a_pool_that_does_not_fit_is_refused_before_allocating(monkeypatch):
+    from muse_mlx import kv
+
+    monkeypatch.setattr(kv, "memory_capacity_bytes", lambda: 4 * 2**30)
+    with pytest.raises(ContextLimitError, match="131,072 positions in each of 4 slots needs 7,306,477,568 bytes"):
+        kv.slot_caches(PINNED, 131_072, 4)
