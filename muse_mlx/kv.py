@@ -1,12 +1,8 @@
 """The KV cache of one slot: an f16 ring per sliding layer, an f16 plane per full layer.
 
 Both hold K and V in one (2, n_kv_heads, rows, head_dim) float16 array (K, then V), allocated
-once at its capacity (DESIGN.md §3, seed 000 ch. 22). The arrays live in a `KVPool`: one array a
-layer for all the slots of a server, (2, n_kv, n_slots * capacity, head_dim), slot s's rows at
-s * capacity.. , so a decode step over the slots writes a token's K and V rows of every slot with
-one scatter a layer (one array a slot took one a slot; two arrays, K and V, took two;
-docs/ledger.md 2026-12-04). A cache made alone is the one slot of its own pool: its array is
-exactly its storage.
+once at its capacity (DESIGN.md §3, seed 000 ch. 22): one array a layer, so a decode step writes a
+token's K and V rows with one scatter a sequence (two arrays took two, docs/ledger.md 2026-12-04).
 
 - `SlidingRing`: capacity min(C, W). Position p lives in row p % capacity, so the
   write pointer is `offset % capacity`, the logical origin (oldest position kept)
@@ -38,53 +34,21 @@ from .geometry import Geometry
 KV_DTYPE = mx.float16
 
 
-class KVPool:
-    """The K|V arrays of `n_slots` caches of one geometry and context: `arrays[i]` is layer i's
-    (2, n_kv, n_slots * capacity_i, head_dim), slot s's rows at s * capacity_i."""
-
-    def __init__(self, shapes: list[tuple[int, int, int]], n_slots: int, dtype=KV_DTYPE):
-        """shapes: each layer's (n_kv, capacity, head_dim)."""
-        if n_slots < 1:
-            raise ValueError(f"a pool holds at least one slot, got {n_slots}")
-        if any(capacity <= 0 for _, capacity, _ in shapes):
-            raise ValueError(f"capacities must be positive, got {[c for _, c, _ in shapes]}")
-        self.n_slots, self.dtype = n_slots, dtype
-        self.arrays = [mx.zeros((2, n_kv, n_slots * capacity, hd), dtype=dtype) for n_kv, capacity, hd in shapes]
-
-
 class _Rows:
-    """The K|V storage shared by both layer kinds: `kv` (2, n_kv, capacity, head_dim), K then V:
-    layer `index`'s rows of slot `slot` in `pool` (a pool of its own, made here, when none is given)."""
+    """The K|V storage shared by both layer kinds: `kv` (2, n_kv, capacity, head_dim), K then V."""
 
-    def __init__(self, n_kv: int, head_dim: int, capacity: int, dtype=KV_DTYPE, pool: KVPool | None = None,
-                 index: int = 0, slot: int = 0):
+    def __init__(self, n_kv: int, head_dim: int, capacity: int, dtype=KV_DTYPE):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.dtype = dtype
-        self.pool = pool if pool is not None else KVPool([(n_kv, capacity, head_dim)], 1, dtype)
-        self.index, self.slot = index, slot
-        self.base = slot * capacity   # this slot's first row in the pool's array
+        self.kv = mx.zeros((2, n_kv, capacity, head_dim), dtype=dtype)
         self.offset = 0  # tokens written so far == the next absolute position
 
     @property
-    def kv(self) -> mx.array:
-        """This slot's storage (2, n_kv, capacity, head_dim): the pool's array itself when the pool
-        has one slot, else a view of its rows (held past a step, either costs the step's in-place
-        write a copy of the array)."""
-        a = self.pool.arrays[self.index]
-        return a if self.pool.n_slots == 1 else a[:, :, self.base:self.base + self.capacity, :]
-
-    @kv.setter
-    def kv(self, value: mx.array) -> None:
-        if self.pool.n_slots == 1:
-            self.pool.arrays[self.index] = value
-        else:
-            self._write(0, value)
-
-    @property
     def keys(self) -> mx.array:
-        """K (n_kv, capacity, head_dim): a view of `kv`."""
+        """K (n_kv, capacity, head_dim): a view of `kv` (held past a step, it costs the step's
+        in-place write a copy of the storage)."""
         return self.kv[0]
 
     @property
@@ -97,7 +61,7 @@ class _Rows:
 
     def _write(self, row: int, kv: mx.array) -> None:
         n = kv.shape[2]
-        self.pool.arrays[self.index][:, :, self.base + row:self.base + row + n, :] = kv
+        self.kv[:, :, row:row + n, :] = kv
 
     def state(self) -> list[mx.array]:
         return [self.kv]
@@ -109,20 +73,18 @@ class _Rows:
 
     def held_rows(self) -> tuple[mx.array, mx.array]:
         """K and V of the held rows, as stored (a ring's in physical order)."""
-        kv = self.kv
-        return kv[0, :, :self.held, :], kv[1, :, :self.held, :]
+        return self.kv[0, :, :self.held, :], self.kv[1, :, :self.held, :]
 
     def restore_rows(self, keys: mx.array, values: mx.array, offset: int) -> None:
         """Take `keys`, `values` (n_kv, rows, head_dim) as the held rows of a storage whose next
         position is `offset` (kvpack's restore): they must be exactly the rows `offset` implies."""
         held = min(offset, self.capacity)
-        shape = self.kv.shape
-        want = (shape[1], held, shape[3])
+        want = (self.kv.shape[1], held, self.kv.shape[3])
         if keys.shape != want or values.shape != want or keys.dtype != self.dtype or values.dtype != self.dtype:
             raise ValueError(f"restore needs K and V of shape {want} and dtype {self.dtype}, got "
                              f"{keys.shape} {keys.dtype} / {values.shape} {values.dtype}")
         if held:
-            self._write(0, mx.stack([keys, values]))
+            self.kv[:, :, :held, :] = mx.stack([keys, values])
         self.offset = offset
 
     def restore_storage(self, kv: mx.array, offset: int) -> None:
@@ -134,12 +96,20 @@ class _Rows:
         self.kv = kv
         self.offset = offset
 
+    def rebind(self, kv: mx.array, n_new: int) -> None:
+        """Take `kv` (this storage with the rows of the next n_new positions already written: a
+        compiled step's output) as the storage, n_new tokens on."""
+        if kv.shape != self.kv.shape:
+            raise ValueError(f"rebind needs storage of shape {self.kv.shape}, got {kv.shape}")
+        self.kv = kv
+        self.offset += n_new
+
 
 class SlidingRing(_Rows):
     """A sliding-window layer's ring of min(C, W) rows."""
 
-    def __init__(self, n_kv: int, head_dim: int, capacity: int, window: int, dtype=KV_DTYPE, **home):
-        super().__init__(n_kv, head_dim, capacity, dtype, **home)
+    def __init__(self, n_kv: int, head_dim: int, capacity: int, window: int, dtype=KV_DTYPE):
+        super().__init__(n_kv, head_dim, capacity, dtype)
         self.window = window
 
     @property
@@ -159,7 +129,7 @@ class SlidingRing(_Rows):
 
     def view(self) -> tuple[mx.array, np.ndarray]:
         """K|V of the held rows (2, n_kv, rows, hd) and the absolute position of each."""
-        return self.kv[:, :, :self.held, :], self.row_positions()
+        return self.kv[:, :, :min(self.offset, self.capacity), :], self.row_positions()
 
     def append(self, kv: mx.array) -> None:
         """Write K|V (2, n_kv, L, hd) of positions offset..offset+L-1; only the last `capacity`
@@ -218,56 +188,27 @@ def check_fits(nbytes: int, what: str) -> None:
                                 f"available ({capacity:,} in all, {in_use:,} in use)")
 
 
-def layer_shapes(geometry: Geometry, context: int) -> list[tuple[int, int, int]]:
-    """Each layer's (n_kv, capacity, head_dim) for `context` positions: a ring min(C, W) rows, a plane C."""
-    g = geometry
-    return [(g.n_head_kv, g.ring_rows(context) if g.is_swa(il) else context, g.head_dim) for il in range(g.n_layer)]
-
-
-def pool_for(geometry: Geometry, context: int, n_slots: int, dtype=KV_DTYPE) -> KVPool:
-    """The arrays of `n_slots` caches of `context` positions; refused before allocating when the
-    machine cannot hold them (check_fits)."""
-    if context <= 0:
-        raise ValueError(f"context must be positive, got {context}")
-    shapes = layer_shapes(geometry, context)
-    nbytes = n_slots * sum(2 * n_kv * capacity * hd for n_kv, capacity, hd in shapes) * dtype.size
-    what = f"the KV cache for {context:,} positions" + (f" in each of {n_slots} slots" if n_slots > 1 else "")
-    check_fits(nbytes, what)
-    return KVPool(shapes, n_slots, dtype)
-
-
-def slot_caches(geometry: Geometry, context: int, n_slots: int, dtype=KV_DTYPE) -> list["SlotCache"]:
-    """`n_slots` caches of `context` positions in one pool (a server's slots)."""
-    pool = pool_for(geometry, context, n_slots, dtype)
-    return [SlotCache(geometry, context, dtype, pool=pool, slot=s) for s in range(n_slots)]
-
-
 class SlotCache:
-    """All layers' KV for one sequence (one slot), sized for `context` positions: slot `slot` of
-    `pool` (slot_caches), or alone in a pool of its own, refused before allocating when the
-    machine cannot hold it (check_fits)."""
+    """All layers' KV for one sequence (one slot), sized for `context` positions; refused before
+    allocating when the machine cannot hold it (check_fits)."""
 
-    def __init__(self, geometry: Geometry, context: int, dtype=KV_DTYPE, pool: KVPool | None = None, slot: int = 0):
+    def __init__(self, geometry: Geometry, context: int, dtype=KV_DTYPE):
         if context <= 0:
             raise ValueError(f"context must be positive, got {context}")
         self.geometry = geometry
         self.context = context
         self.dtype = dtype
         g = geometry
-        self.pool = pool if pool is not None else pool_for(geometry, context, 1, dtype)
-        if not 0 <= slot < self.pool.n_slots or len(self.pool.arrays) != g.n_layer:
-            raise ValueError(f"slot {slot} is not one of the pool's {self.pool.n_slots} slots of {g.n_layer} layers")
-        self.slot = slot
+        row = 2 * g.n_head_kv * g.head_dim * dtype.size   # K and V of one position
+        nbytes = sum(g.ring_rows(context) if g.is_swa(il) else context for il in range(g.n_layer)) * row
+        check_fits(nbytes, f"the KV cache for {context:,} positions")
         self.layers: list[SlidingRing | GrowingPlane] = [
-            SlidingRing(g.n_head_kv, g.head_dim, g.ring_rows(context), g.sliding_window, dtype, pool=self.pool,
-                        index=il, slot=slot)
-            if g.is_swa(il) else GrowingPlane(g.n_head_kv, g.head_dim, context, dtype, pool=self.pool, index=il,
-                                              slot=slot)
+            SlidingRing(g.n_head_kv, g.head_dim, g.ring_rows(context), g.sliding_window, dtype)
+            if g.is_swa(il) else GrowingPlane(g.n_head_kv, g.head_dim, context, dtype)
             for il in range(g.n_layer)
         ]
-        # each layer's (is a ring, capacity, slots of its pool): the decode step groups layers by it
-        self.layer_kinds = tuple((isinstance(layer, SlidingRing), layer.capacity, self.pool.n_slots)
-                                 for layer in self.layers)
+        # each layer's (is a ring, capacity): the decode step groups layers by it
+        self.layer_kinds = tuple((isinstance(layer, SlidingRing), layer.capacity) for layer in self.layers)
 
     @property
     def offset(self) -> int:
@@ -315,15 +256,9 @@ class SlotCache:
             layer.offset = depth
         mx.eval(self.state())
 
-    def take(self, other: "SlotCache") -> None:
-        """Hold what `other` (a cache of the same geometry, context and dtype: kvpack's restore, a
-        prompt-cache hit) holds: its storage copied into this cache's rows, its offset."""
-        if [k[:2] for k in other.layer_kinds] != [k[:2] for k in self.layer_kinds] or other.dtype != self.dtype:
-            raise ValueError("take needs a cache of the same geometry, context and dtype")
-        for layer, theirs in zip(self.layers, other.layers):
-            layer.kv, layer.offset = theirs.kv, theirs.offset
-
-    def advance(self, n_new: int) -> None:
-        """n_new more positions written into the storage (by a compiled step, whose outputs the pool took)."""
-        for layer in self.layers:
-            layer.offset += n_new
+    def rebind(self, state: list[mx.array], n_new: int) -> None:
+        """Take `state` (as state() lists it, n_new more positions written) as every layer's storage."""
+        if len(state) != len(self.layers):
+            raise ValueError(f"rebind needs {len(self.layers)} arrays, got {len(state)}")
+        for layer, kv in zip(self.layers, state):
+            layer.rebind(kv, n_new)

@@ -33,7 +33,7 @@ from .artifact import Artifact, RawTensor, check_matrix_weights
 from .errors import ArtifactError
 from .config import KernelConfig
 from .geometry import LAYER_TENSORS, POST_NORM_EPS, PREFILL_CHUNK, Geometry
-from .kv import KV_DTYPE, SlotCache, slot_caches
+from .kv import KV_DTYPE, SlotCache
 from .ops import ReferenceOps, Slice, select_ops
 from .quant import dequantize
 from .weight_stream import load_raw
@@ -241,11 +241,6 @@ class Model(nn.Module):
     def make_cache(self, context: int | None = None, dtype=KV_DTYPE) -> SlotCache:
         return SlotCache(self.geometry, context or self.geometry.context_length, dtype)
 
-    def make_caches(self, n_slots: int, context: int | None = None, dtype=KV_DTYPE) -> list[SlotCache]:
-        """n_slots caches in one KV pool (a server's slots: a decode step over them writes each
-        layer's rows with one scatter)."""
-        return slot_caches(self.geometry, context or self.geometry.context_length, n_slots, dtype)
-
     def __call__(self, tokens: mx.array, caches: list[SlotCache], last_only: bool = False) -> mx.array:
         """tokens (B, T) at positions cache.offset.. of each sequence's cache -> logits (B, T, n_vocab),
         or (B, 1, n_vocab) of each sequence's last token with `last_only`. The caches take the
@@ -260,7 +255,10 @@ class Model(nn.Module):
         kv = self._ops.kv_step(self.geometry, caches, T, self._rope)
         if kv.compiled:   # a DecodePlan: the forward compiled for its key
             logits, positions, *state = self._compiled_step(kv.key)(tokens, kv.positions, *kv.arrays)
-            kv.after(positions, state)   # the pools take the arrays with the rows written; the caches move on
+            kv.after(positions)
+            for b, cache in enumerate(caches):
+                n = len(cache.layers)
+                cache.rebind(state[b * n:(b + 1) * n], T)
         else:
             positions = np.concatenate([np.arange(c.offset, c.offset + T, dtype=np.int64) for c in caches])
             logits = self.forward(tokens, mx.array(self._rope.rows(positions)), kv, caches[0].dtype, last_only)

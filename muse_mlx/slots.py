@@ -112,7 +112,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, n_slots: int, context: int, queue_max: int = 16, prompt_cache=None,
                  chunk: int = PREFILL_CHUNK):
         self.model, self.tokenizer, self.context, self.chunk = model, tokenizer, context, chunk
-        self.slots = [Slot(i, cache) for i, cache in enumerate(model.make_caches(n_slots, context))]
+        self.slots = [Slot(i, model.make_cache(context)) for i in range(n_slots)]
         mx.eval([s.cache.state() for s in self.slots])
         self.kv_bytes = sum(s.cache.nbytes for s in self.slots)
         self.queue_max, self.prompt_cache = queue_max, prompt_cache
@@ -248,8 +248,7 @@ class Scheduler:
         elif self.prompt_cache is not None:
             hit = self.prompt_cache.lookup(request.prompt_ids, self.context)
             if hit.cache is not None:
-                slot.cache.take(hit.cache)   # into the slot's rows of the pool
-                start = hit.reused
+                slot.cache, start = hit.cache, hit.reused
             if hit.logits is not None:   # the prompt's exact end: nothing to prefill
                 slot.restored, slot.cached = False, n
                 slot.tokens, slot.pending = list(request.prompt_ids), []
@@ -380,7 +379,6 @@ class Scheduler:
             t = time.perf_counter()
             cache, tokens = kvpack.restore(path, self.model.geometry, model_id["fingerprint"], self.context,
                                            upload=self.model.ops.upload)
-            slot.cache.take(cache)   # into the slot's rows of the pool
-            slot.tokens, slot.restored = tokens, True
+            slot.cache, slot.tokens, slot.restored = cache, tokens, True
             return {"id_slot": index, "n_restored": len(tokens), "ms": (time.perf_counter() - t) * 1e3}
         return self.control(restore)

@@ -92,8 +92,7 @@ class StandIns(Kernels):
         self.attention_splits.append(splits)
         self.attention_chunks.append((chunk, kv.shape[2]))
         params = params.reshape(-1)
-        row = mx.arange(keys.shape[1]) - params[2]   # from the sequence's first row (its slot's, in a pool)
-        visible = (row >= 0) & (row < mx.minimum(params[0], params[1] * chunk))
+        visible = mx.arange(keys.shape[1]) < mx.minimum(params[0], params[1] * chunk)
         k, v = keys.astype(mx.float32), values.astype(mx.float32)
         qh = q.reshape(keys.shape[0], n_head // keys.shape[0], hd)
         scores = (qh @ k.swapaxes(-1, -2)) / math.sqrt(hd)
@@ -305,25 +304,22 @@ def test_gpu_ops_on_other_geometries(tmp_path, name):
         assert np.abs(np.array(a, dtype=np.float32) - np.array(b, dtype=np.float32)).max() < 2e-2
 
 
-@pytest.mark.parametrize("capacities,pooled", [((200, 200, 200), False), ((200, 264, 200), False),
-                                               ((200, 200, 200), True)], ids=["one-layout", "planes-differ", "pooled"])
-def test_batched_decode_equals_each_sequence_alone(tmp_path, capacities, pooled):
+@pytest.mark.parametrize("capacities", [(200, 200, 200), (200, 264, 200)], ids=["one-layout", "planes-differ"])
+def test_batched_decode_equals_each_sequence_alone(tmp_path, capacities):
     """B = 3 sequences at different depths (one past the ring wrap) in one compiled decode step:
     each sequence's logits equal its own B = 1 step's (the stand-ins compute each row alone).
     A layer whose storage has one layout for the three takes one attention launch over them;
-    where the full layers' planes differ (one cache longer), those layers take one each. Pooled:
-    the three are slots 2, 0 and 1 of one KV pool of four (a server's), stepped in that order."""
+    where the full layers' planes differ (one cache longer), those layers take one each."""
     g = DEFAULT_GEOMETRY
     path = write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=4)
     kernels = StandIns()
     model = Model(open_artifact(path), GpuOps(kernels))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, g.n_vocab, n) for n in (3, 40, g.sliding_window + 9)]
-    pool = model.make_caches(4, capacities[0]) if pooled else None
     solo_caches, batch_caches = [], []
-    for i, (p, capacity) in enumerate(zip(prompts, capacities)):
+    for p, capacity in zip(prompts, capacities):
         for caches in (solo_caches, batch_caches):
-            c = pool[(2, 0, 1)[i]] if pooled and caches is batch_caches else model.make_cache(capacity)
+            c = model.make_cache(capacity)
             model.prefill(mx.array(p), c)
             caches.append(c)
     for step in range(4):
@@ -399,48 +395,40 @@ def test_device_positions_upload_only_when_the_offsets_move():
     from muse_mlx.ops.gpu import DevicePositions
 
     class Cache:
-        def __init__(self, offset, slot):
-            self.offset, self.slot = offset, slot
+        def __init__(self, offset):
+            self.offset = offset
     rope, dp = RopeRows(8, 10000.0), DevicePositions()
-    caches = [Cache(254, 3), Cache(7, 1)]
-    positions, tables, slots = dp.plan(caches, rope)
+    caches = [Cache(254), Cache(7)]
+    positions, tables = dp.plan(caches, rope)
     assert np.array_equal(np.array(positions), [254, 7]) and tables.shape == (2, RopeRows.BLOCK, 8)
-    assert np.array_equal(np.array(slots), [3, 1])
     assert np.array_equal(np.array(tables[0]), rope.block_rows(0))
     stepped = positions + 1
     dp.after(stepped)
     for c in caches:
         c.offset += 1
-    assert dp.plan(caches, rope) == (stepped, tables, slots)     # the step's output, the same tables and slots
+    assert dp.plan(caches, rope) == (stepped, tables)            # the step's output, the same tables
     dp.after(stepped + 1)
     for c in caches:
         c.offset += 1
-    positions, tables2, _ = dp.plan(caches, rope)                # 256: the first sequence's next block
+    positions, tables2 = dp.plan(caches, rope)                   # 256: the first sequence's next block
     assert np.array_equal(np.array(positions), [256, 9]) and tables2 is not tables
     assert np.array_equal(np.array(tables2[0]), rope.block_rows(1))
     caches[1].offset = 3                                          # a slot restored elsewhere: uploaded
-    positions, _, _ = dp.plan(caches, rope)
+    positions, _ = dp.plan(caches, rope)
     assert np.array_equal(np.array(positions), [256, 3])
-    caches[1].slot = 0                                            # another slot at the same offsets: uploaded
-    positions, _, slots2 = dp.plan(caches, rope)
-    assert np.array_equal(np.array(slots2), [3, 0]) and np.array_equal(np.array(positions), [256, 3])
 
 
-@pytest.mark.parametrize("pooled", [True, False], ids=["one-pool", "own-pools"])
-def test_decode_step_writes_one_scatter_a_pool_a_layer(tmp_path, monkeypatch, pooled):
-    """K and V of a layer share one array, and the slots of a KV pool too (kv.py), so the compiled
-    step writes a token's K|V rows of the slots of one pool with one scatter a layer: n_layer
-    writes a step of (2, n_kv, B, hd) rows; caches each alone in a pool of its own take one a
-    cache a layer (each write a launch and a node the host replays; docs/ledger.md 2026-12-04).
-    Counted as the step is traced; the rows land in each slot's own rows of the pool."""
+def test_decode_step_writes_one_kv_row_a_sequence_a_layer(tmp_path, monkeypatch):
+    """K and V of a layer share one storage array (kv.py), so the compiled step writes a token's
+    K|V row of each sequence with one scatter a layer: n_layer x B writes a step, each of one
+    (2, n_kv, 1, hd) row (two arrays took twice as many, each a launch and a node the host
+    replays; docs/ledger.md 2026-12-04). Counted as the step is traced."""
     g = DEFAULT_GEOMETRY
     path = write_random_blocks(tmp_path / "q4km.gguf", g, kquant_mix(g), seed=5)
     model = Model(open_artifact(path), GpuOps(StandIns()))
-    pool = model.make_caches(3, 64)
-    caches = pool[1:] if pooled else [model.make_cache(64) for _ in range(2)]
+    caches = [model.make_cache(64) for _ in range(2)]
     for c, n in zip(caches, (3, 9)):
         model.prefill(mx.array(np.arange(n) % g.n_vocab), c)
-    before = [[np.array(x) for x in c.state()] for c in caches]
     writes, put = [], mx.put_along_axis
 
     def counted(a, indices, values, axis=None):
@@ -449,18 +437,10 @@ def test_decode_step_writes_one_scatter_a_pool_a_layer(tmp_path, monkeypatch, po
     monkeypatch.setattr(mx, "put_along_axis", counted)
     logits = model(mx.array([[1], [2]]), caches)
     assert np.isfinite(np.array(logits)).all()
-    rows = 2 if pooled else 1
-    assert len(writes) == g.n_layer * 2 // rows
-    assert {w[1:] for w in writes} == {((2, g.n_head_kv, rows, g.head_dim), 2)}
+    assert len(writes) == g.n_layer * 2
+    assert {w[1:] for w in writes} == {((2, g.n_head_kv, 1, g.head_dim), 2)}
     assert all(shape[:2] == (2, g.n_head_kv) for shape, _, _ in writes)
     assert [c.offset for c in caches] == [4, 10]
-    for c, old, n in zip(caches, before, (3, 9)):   # each cache's new row, at its position, and nothing else
-        for layer, was in zip(c.layers, old):
-            now, row = np.array(layer.kv), n % layer.capacity
-            assert np.array_equal(np.delete(now, row, axis=2), np.delete(was, row, axis=2))
-            assert not np.array_equal(now[:, :, row], was[:, :, row])
-    if pooled:   # slot 0 of the pool, not in the step, untouched
-        assert not any(np.array(x).any() for x in pool[0].state())
 
 
 def test_compiled_steps_are_freed_with_the_model(f32_fixture):

@@ -308,14 +308,12 @@ def test_decode_attention_gated(metal):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
 
 
-@pytest.mark.parametrize("seqs, gated, pooled", [(2, False, False), (3, True, False), (4, True, False),
-                                                 (3, True, True)])
-def test_decode_attention_over_sequences_in_one_launch(metal, seqs, gated, pooled):
+@pytest.mark.parametrize("seqs, gated", [(2, False), (3, True), (4, True)])
+def test_decode_attention_over_sequences_in_one_launch(metal, seqs, gated):
     """decode_attention_seqs: S sequences, each with its own storage, rows visible (one past a
     chunk, one short of a split) and gate row, in one launch of each kernel, against the same
     kernels launched per sequence: bitwise, since each sequence's sums are the same sums in the
-    same order; and against float64. Pooled: the storages are one array (a KV pool's), sequence
-    s's rows from s * cap (params[2])."""
+    same order; and against float64."""
     n_head, n_kv, hd, cap, chunk, splits = 8, 2, 64, 160, 32, 5
     rng = np.random.default_rng([seqs, 17])
     q = rng.standard_normal((seqs, n_head, hd)).astype(np.float32)
@@ -324,13 +322,8 @@ def test_decode_attention_over_sequences_in_one_launch(metal, seqs, gated, poole
     n_valid = [33, 160, 1, 127][:seqs]
     params = [plan.attention_params(n, chunk, splits) for n in n_valid]
     gate = rng.standard_normal((seqs, 40 + n_head * hd)).astype(np.float32) if gated else None
-    storages = [mx.array(np.stack(kv)) for kv in zip(keys, values)]
-    stacked = mx.stack(params)
-    if pooled:
-        storages = [mx.concatenate(storages, axis=2)] * seqs
-        stacked[:, 2] = mx.arange(seqs, dtype=mx.int32) * cap
     out = np.array(metal.decode_attention_seqs(
-        mx.array(q), storages, stacked, chunk, splits,
+        mx.array(q), [mx.array(np.stack(kv)) for kv in zip(keys, values)], mx.stack(params), chunk, splits,
         gate=None if gate is None else mx.array(gate), gate_offset=40, init_value=NAN))
     assert out.shape == (seqs, n_head * hd) and np.isfinite(out).all()
     for s in range(seqs):

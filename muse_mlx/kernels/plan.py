@@ -294,10 +294,9 @@ def combine_warps(nsplit: int, config: KernelConfig) -> int:
 
 
 def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.array:
-    """The runtime scalars of the decode attention: rows visible, splits and the first row
-    (int32[8]: n_valid, splits, base; base 0 here: a storage of one slot). `splits` defaults to
-    the fewest that cover n_valid; more leave the extra splits empty, which the combine weighs
-    at zero."""
+    """The runtime scalars of the decode attention: rows visible and splits (int32[8]).
+    `splits` defaults to the fewest that cover n_valid; more leave the extra splits empty,
+    which the combine weighs at zero."""
     splits = max(1, -(-n_valid // chunk)) if splits is None else splits
     if splits * chunk < n_valid:
         raise ValueError(f"{splits} splits of {chunk} rows do not cover {n_valid} rows")

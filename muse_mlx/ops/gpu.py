@@ -37,15 +37,13 @@ from .reference import ChunkStep, Matrix, ReferenceOps, Slice
 class DecodePlan(NamedTuple):
     """What the compiled decode step over B sequences needs from the host for one token.
 
-    key: the trace key (B; per sequence, the group of each layer and the index of its KV pool
-    among the step's pools; per group, the attention's rows per split and split count; the
-    groups' kinds: ring or plane, capacity, slots of the pool); positions: the sequences'
-    positions (B,) int32 on the device; arrays: the rope rows of each position's block of
-    RopeRows.BLOCK (B, BLOCK, rope width), the sequences' slots in their pools (B,) int32, then
-    each pool's arrays (KVPool.arrays: one K|V array a layer). The step makes the rows it writes,
-    the attention's parameters and the cos|sin rows from the positions and slots and returns the
-    positions plus one and the arrays with the rows written, which `after` hands to the pools
-    and the next token (DevicePositions)."""
+    key: the trace key (B; per sequence, the group of each layer; per group, the attention's
+    rows per split and split count; the groups' kinds: ring or plane, and capacity); positions:
+    the sequences' positions (B,) int32 on the device; arrays: the rope rows of each position's
+    block of RopeRows.BLOCK (B, BLOCK, rope width), then every cache's storage (SlotCache.state
+    order: one K|V array a layer). The step makes the rows it writes, the attention's parameters
+    and the cos|sin rows from the positions and returns them plus one, which `after` keeps for
+    the next token (DevicePositions)."""
     key: tuple
     positions: mx.array
     arrays: list
@@ -57,139 +55,118 @@ class DevicePositions:
     """The decode step's positions kept on the device from one token to the next: a token whose
     sequences stand where the last step left them takes the step's own output, so the step reads
     nothing the host wrote that token; other offsets (a slot joined, left, or was restored) are
-    uploaded once, with the sequences' slots. The rope rows go up a block of RopeRows.BLOCK
-    positions at a time. (Host-made rows, parameters and cos|sin every token cost ~0.3-0.55 ms a
-    step on the H200, each array a managed-memory migration at the GPU's first read;
-    docs/ledger.md 2026-12-04.)"""
+    uploaded once. The rope rows go up a block of RopeRows.BLOCK positions at a time. (Host-made
+    rows, parameters and cos|sin every token cost ~0.3-0.55 ms a step on the H200, each array a
+    managed-memory migration at the GPU's first read; docs/ledger.md 2026-12-04.)"""
 
     def __init__(self):
-        self.offsets, self.positions, self.slots = None, None, None   # what the device arrays hold, and they
+        self.offsets, self.positions = None, None     # offsets the device array holds, and it
         self.blocks, self.tables = None, None
 
-    def plan(self, caches: list[SlotCache], rope) -> tuple[mx.array, mx.array, mx.array]:
-        offsets = tuple((c.offset, c.slot) for c in caches)
+    def plan(self, caches: list[SlotCache], rope) -> tuple[mx.array, mx.array]:
+        offsets = tuple(c.offset for c in caches)
         if offsets != self.offsets:
-            self.offsets = offsets
-            self.positions = mx.array(np.array([o for o, _ in offsets], dtype=np.int32))
-            self.slots = mx.array(np.array([s for _, s in offsets], dtype=np.int32))
-        blocks = tuple(c.offset // rope.BLOCK for c in caches)
+            self.offsets, self.positions = offsets, mx.array(np.array(offsets, dtype=np.int32))
+        blocks = tuple(o // rope.BLOCK for o in offsets)
         if blocks != self.blocks:
             self.blocks = blocks
             self.tables = mx.array(np.stack([rope.block_rows(b) for b in blocks]).astype(np.float32, copy=False))
-        return self.positions, self.tables, self.slots
+        return self.positions, self.tables
 
     def after(self, positions: mx.array) -> None:
         """The step's next positions (lazy, on the device) for offsets one past these."""
-        self.offsets, self.positions = tuple((o + 1, s) for o, s in self.offsets), positions
+        self.offsets, self.positions = tuple(o + 1 for o in self.offsets), positions
 
 
 def decode_plan(caches: list[SlotCache], kernels: Kernels, device_positions: DevicePositions, rope) -> DecodePlan:
     """The next token's DecodePlan (rope: the model's RopeRows). Layers whose storage has one kind
-    (ring or plane, capacity, slots of the pool: the rings; the planes) form a group that shares
-    a row index and a parameter array; a group's split count is the largest any sequence needs
-    (the others' extra splits weigh zero), rounded up (plan.attention_splits) so that one trace
-    serves many tokens; a plane group's rows per split from the deepest sequence's rows
-    (plan.plane_chunk). The layers of one cache are at one offset, so each group's first layer
-    speaks for the group (this runs once a token: a loop over groups, not over the layers). The
-    context limit: Model checks each cache's room first."""
+    and capacity (the rings; the planes) form a group that shares a row index and a parameter
+    array; a group's split count is the largest any sequence needs (the others' extra splits
+    weigh zero), rounded up (plan.attention_splits) so that one trace serves many tokens; a plane
+    group's rows per split from the deepest sequence's rows (plan.plane_chunk). The layers of one
+    cache are at one offset, so each group's first layer speaks for the group (this runs once a
+    token: a loop over groups, not over the layers). The context limit: Model checks each
+    cache's room first."""
     config = kernels.config
     groups: dict[tuple, int] = {}
-    pools: list = []
-    layer_groups, firsts, pool_of = [], [], []   # per cache: the group of each layer; group -> its first layer
+    layer_groups, firsts = [], []   # per cache: the group of each layer; group -> its first layer
     for cache in caches:
         ids = tuple(groups.setdefault(kind, len(groups)) for kind in cache.layer_kinds)
         layer_groups.append(ids)
         firsts.append({gi: cache.layers[ids.index(gi)] for gi in set(ids)})
-        if not any(p is cache.pool for p in pools):
-            pools.append(cache.pool)
-        pool_of.append(next(j for j, p in enumerate(pools) if p is cache.pool))
-    if len(set(zip(pool_of, (c.slot for c in caches)))) < len(caches):
-        raise ValueError("one decode step takes each slot of a pool at most once")
     kinds = list(groups)
     n_valid = [{gi: min(layer.offset + 1, layer.capacity) for gi, layer in first.items()} for first in firsts]
-    chunks = tuple(config.ring_chunk if kind[0] else
+    chunks = tuple(config.ring_chunk if ring else
                    kplan.plane_chunk(max(valid[gi] for valid in n_valid if gi in valid), config)
-                   for gi, kind in enumerate(kinds))
+                   for gi, (ring, _) in enumerate(kinds))
     splits = tuple(max(kplan.attention_splits(valid[gi], chunks[gi], kinds[gi][1]) for valid in n_valid if gi in valid)
                    for gi in range(len(kinds)))
-    positions, tables, slots = device_positions.plan(caches, rope)
-    arrays = [tables, slots] + [a for pool in pools for a in pool.arrays]
-
-    def after(next_positions: mx.array, state: list[mx.array]) -> None:
-        device_positions.after(next_positions)
-        n = len(state) // len(pools)
-        for j, pool in enumerate(pools):
-            pool.arrays = list(state[j * n:(j + 1) * n])
-        for cache in caches:
-            cache.advance(1)
-    key = (len(caches), tuple(layer_groups), chunks, splits, tuple(kinds), tuple(pool_of))
-    return DecodePlan(key, positions, arrays, after)
+    positions, tables = device_positions.plan(caches, rope)
+    arrays = [tables]
+    for cache in caches:
+        arrays += cache.state()
+    return DecodePlan((len(caches), tuple(layer_groups), chunks, splits, tuple(kinds)), positions, arrays,
+                      device_positions.after)
 
 
 class DecodeStep:
-    """One decode token of B sequences inside the compiled step: writes each layer's new K|V rows
-    into its pools' arrays with put_along_axis at the rows made from the positions and slots
+    """One decode token of B sequences inside the compiled step: writes each layer's new K|V row
+    into each sequence's storage array with put_along_axis at the rows made from the positions
     (MLX's scatter: a thread per element written, where a slice update at an array row launches
-    one per element stored; one scatter a pool a layer, K and V being one array and the slots of
-    a pool one array) and attends with the split decode kernel: the B sequences in one launch
-    where a layer's storage has one group for all of them, else one launch each. `state` is the
-    pools' arrays with the rows written.
+    one per element stored; one scatter a sequence a layer, K and V being one array) and attends
+    with the split decode kernel: the B sequences in one launch where a layer's storage has one
+    group for all of them, else one launch each. `state` is the storage with the rows written.
 
-    From the positions and slots (B,) int32: a ring's row is position % its capacity, a plane's
-    the position, each after its slot's first row (slot * capacity) in its pool's array; n_valid
-    min(position + 1, capacity) and that first row are the attention's parameters
-    (plan.attention_params's layout); the cos|sin row the position's row of its block; a group a
-    sequence lacks has n_valid 1 (its extra splits weigh zero) and is never written."""
+    From the positions (B,) int32: a ring's row is position % its capacity, a plane's the
+    position; n_valid min(position + 1, capacity) (the attention's parameters,
+    plan.attention_params's layout); the cos|sin row the position's row of its block; a
+    group a sequence lacks writes row 0 with n_valid 1 (its extra splits weigh zero)."""
 
     def __init__(self, key: tuple, positions: mx.array, arrays: list, kernels: Kernels):
         self.kernels = kernels
-        self.B, self.layer_groups, self.chunks, self.splits, kinds, self.pool_of = key
+        self.B, self.layer_groups, self.chunks, self.splits, kinds = key
         self.n_layer = len(self.layer_groups[0])
-        tables, slots, self.state = arrays[0], arrays[1], list(arrays[2:])
+        tables, self.state = arrays[0], list(arrays[1:])
         block = tables.shape[1]
         self.rope = mx.take_along_axis(tables, (positions % block).reshape(self.B, 1, 1), axis=1).reshape(self.B, -1)
         self.positions_next = positions + 1
         kv = self.state[0]
         n_kv, hd = kv.shape[1], kv.shape[3]
-        # each pool's sequences, in step order; and (pool, group) -> the rows its one scatter writes
-        self.members = [[b for b in range(self.B) if self.pool_of[b] == j] for j in range(max(self.pool_of) + 1)]
-        self.rows: dict[tuple[int, int], mx.array] = {}
+        self.rows = [[None] * len(kinds) for _ in range(self.B)]
         self.params = []
-        for gi, (ring, capacity, n_slots) in enumerate(kinds):
+        for gi, (ring, capacity) in enumerate(kinds):
             present = [gi in groups for groups in self.layer_groups]
             row = positions % capacity if ring else positions
             n_valid = mx.minimum(positions + 1, capacity)
-            base = slots * capacity if n_slots > 1 else mx.zeros((self.B,), mx.int32)
             if not all(present):
-                n_valid = mx.where(mx.array(np.array(present)), n_valid, 1)
+                mask = mx.array(np.array(present))
+                row, n_valid = mx.where(mask, row, 0), mx.where(mask, n_valid, 1)
             self.params.append(mx.concatenate([n_valid.reshape(self.B, 1), mx.full((self.B, 1), self.splits[gi], mx.int32),
-                                               base.reshape(self.B, 1), mx.zeros((self.B, 5), mx.int32)], axis=1))
-            for j, members in enumerate(self.members):
-                if all(present[b] for b in members):
-                    at = (base + row) if len(members) == self.B else mx.take(base + row, mx.array(members))
-                    self.rows[j, gi] = mx.broadcast_to(at.reshape(1, 1, len(members), 1), (2, n_kv, len(members), hd))
+                                               mx.zeros((self.B, 6), mx.int32)], axis=1))
+            for b in range(self.B):
+                self.rows[b][gi] = mx.broadcast_to(row[b:b + 1].reshape(1, 1, 1, 1), (2, n_kv, 1, hd))
 
     @property
     def outputs(self) -> list:
-        """What the compiled step returns after the logits: the next positions, then the pools' arrays."""
+        """What the compiled step returns after the logits: the next positions, then the storage."""
         return [self.positions_next] + self.state
 
     def attend(self, i: int, q: mx.array, kv: mx.array, gate: Slice) -> mx.array:
         """Layer i: q (B, n_head, hd) f32, kv (2, n_kv, B, hd) f16 K|V -> the gated attention (B, n_head*hd).
 
-        With one pool (a server's slots, or one sequence alone) kv goes to the scatter and q to
-        the kernel as they are: each slice, reshape or integer index would be a node per layer
-        that the compiled step rebuilds every token, and an integer index is a gather launch
-        (revision ebd927c had ~8 such nodes a layer, 2 of them gathers, and decoded 2-5 % slower
-        than 0e4a0ae on the H200, docs/ledger.md). Sequences of several pools take one scatter a
-        pool, of their rows of kv."""
+        With B = 1 the arrays go to the scatter and the kernel as they are: each slice, reshape or
+        integer index would be a node per layer that the compiled step rebuilds every token, and
+        an integer index is a gather launch (revision ebd927c had ~8 such nodes a layer, 2 of them
+        gathers, and decoded 2-5 % slower than 0e4a0ae on the H200, docs/ledger.md). With B > 1 kv
+        is split into its B rows by one node (mx.split: one primitive, B outputs) for the B
+        writes, and q goes whole to one launch over the B sequences' storage."""
         n_head, hd = q.shape[1:]
+        kvs = [kv] if self.B == 1 else mx.split(kv, self.B, axis=2)
         groups = [self.layer_groups[b][i] for b in range(self.B)]
-        for j, members in enumerate(self.members):
-            s = j * self.n_layer + i
-            rows = kv if len(members) == self.B else mx.take(kv, mx.array(members), axis=2)
-            self.state[s] = mx.put_along_axis(self.state[s], self.rows[j, groups[members[0]]], rows, axis=2)
-        storage = [self.state[self.pool_of[b] * self.n_layer + i] for b in range(self.B)]
+        for b, gi in enumerate(groups):
+            s = b * self.n_layer + i
+            self.state[s] = mx.put_along_axis(self.state[s], self.rows[b][gi], kvs[b], axis=2)
+        storage = self.state[i::self.n_layer]
         if self.B == 1:
             gi = groups[0]
             return self.kernels.decode_attention(q, storage[0], self.params[gi], self.chunks[gi], self.splits[gi],

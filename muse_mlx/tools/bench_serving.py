@@ -175,7 +175,7 @@ def batch_cell(model, batch: int, depth: int, tokens: int, reps: int = 3) -> dic
     """The packed step alone: `batch` sequences at `depth` random rows, `tokens` greedy steps,
     pipelined. Per repetition also the host's part: the seconds spent building and submitting the
     steps (the model call and async_eval), the process's CPU seconds and the machine's stolen ones."""
-    caches = model.make_caches(batch, depth + (reps + 1) * (tokens + 8) + 8)   # one pool, as the server's slots
+    caches = [model.make_cache(depth + (reps + 1) * (tokens + 8) + 8) for _ in range(batch)]
     hosts: list[dict] = []
 
     def once() -> float:

@@ -171,34 +171,6 @@ def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
-def test_pool_slots_decode_as_caches_of_their_own(fixture_files, name):
-    """A server's slots share one KV pool (kv.slot_caches: one array a layer, a slot's rows at its
-    slot * capacity; one scatter writes a step's rows of every slot). B = 3 sequences at different
-    depths as slots 2, 0 and 1 of a pool of four, against the same sequences each in a cache of
-    its own, both decoded by the packed step: the logits bit for bit (the same kernels and sums;
-    only the rows' base differs)."""
-    g = DEFAULT_GEOMETRY
-    rng = np.random.default_rng([SEED, 33])
-    prompts = [rng.integers(0, g.n_vocab, n) for n in (3, 40, g.sliding_window + 9)]
-    steps = [rng.integers(0, g.n_vocab, len(prompts)) for _ in range(6)]
-    model = load(fixture_files[name], "gpu")
-
-    def decode(caches):
-        for p, c in zip(prompts, caches):
-            model.prefill(mx.array(p), c)
-        return np.concatenate([np.array(model(mx.array(nxt[:, None]), caches))[:, 0] for nxt in steps])
-
-    pool = model.make_caches(4, 200)
-    pooled = decode([pool[2], pool[0], pool[1]])
-    own = decode([model.make_cache(200) for _ in prompts])
-    same = bool(np.array_equal(pooled, own))
-    ok = bool(np.isfinite(pooled).all() and same)
-    record("pool_slots_decode", fixture=name, sequences=len(prompts), bitwise=same,
-           max_abs_dlogit=float(np.abs(pooled - own).max()), **{"pass": ok})
-    assert ok
-
-
-@pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
 def test_decode_step_carries_the_positions_on_the_device(fixture_files, name):
     """The compiled decode step makes its rows, attention parameters and cos|sin rows from the
     sequences' positions and returns them plus one for the next token (ops.gpu.DevicePositions):
@@ -577,12 +549,10 @@ def test_decode_attention_gated():
                                                  ("plane", 131072, (5, 32768, 100_003)),
                                                  ("plane", 131072, (4097, 9))])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("pooled", [False, True])
-def test_decode_attention_over_sequences(kind, cap, n_valids, gated, pooled):
+def test_decode_attention_over_sequences(kind, cap, n_valids, gated):
     """The packed step's attention: S sequences, each with its own storage, rows visible and gate
     row, in one launch pair (decode_attention_seqs), against one launch pair a sequence (bitwise:
-    the same sums in the same order) and against float64. Pooled: the S storages are one array
-    (a KV pool's, kv.py), sequence s's rows from s * cap (params[2])."""
+    the same sums in the same order) and against float64."""
     rng = np.random.default_rng([SEED, cap, len(n_valids), int(gated)])
     n_head, n_kv, hd, seqs = 32, 2, 128, len(n_valids)
     config = KernelConfig()
@@ -593,13 +563,9 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated, pooled):
     values = [mx.array(rng.standard_normal((n_kv, cap, hd)).astype(np.float16)) for _ in range(seqs)]
     gate = (rng.standard_normal((seqs, 24 + n_head * hd)) * 3).astype(np.float32) if gated else None
     gate_kw = {} if gate is None else {"gate": mx.array(gate), "gate_offset": 24}
-    params = mx.stack([plan.attention_params(n, chunk, splits) for n in n_valids])
-    storages = [mx.stack(kv) for kv in zip(keys, values)]
-    if pooled:
-        storages = [mx.concatenate(storages, axis=2)] * seqs
-        params[:, 2] = mx.arange(seqs, dtype=mx.int32) * cap
-    out = np.array(KERNELS.decode_attention_seqs(mx.array(q), storages, params, chunk, splits,
-                                                 init_value=float("nan"), **gate_kw))
+    out = np.array(KERNELS.decode_attention_seqs(mx.array(q), [mx.stack(kv) for kv in zip(keys, values)],
+                                                 mx.stack([plan.attention_params(n, chunk, splits) for n in n_valids]), chunk,
+                                                 splits, init_value=float("nan"), **gate_kw))
     worst, bitwise = 0.0, True
     for s, n in enumerate(n_valids):
         solo_kw = {} if gate is None else {"gate": mx.array(gate[s]), "gate_offset": 24}
@@ -612,7 +578,7 @@ def test_decode_attention_over_sequences(kind, cap, n_valids, gated, pooled):
             ref = ref / (1 + np.exp(-gate[s, 24:].astype(np.float64).reshape(n_head, hd)))
         worst = max(worst, rel_err(out[s].astype(np.float64), ref.reshape(-1)))
     ok = bool(np.isfinite(out).all() and bitwise and worst < 1e-5)
-    record("decode_attention_seqs", kind=kind, cap=cap, n_valid=list(n_valids), gated=gated, pooled=pooled, rel_err=worst,
+    record("decode_attention_seqs", kind=kind, cap=cap, n_valid=list(n_valids), gated=gated, rel_err=worst,
            bitwise_vs_alone=bitwise, **{"pass": ok})
     assert ok, (worst, bitwise)
 
