@@ -369,7 +369,7 @@ class App:
 
             return EventSourceResponse(self._stream(req, events, rid, created, chat, body),
                                        ping=15, send_timeout=30)
-        text, lps, finish, usage = [], [], None, None
+        text, lps, finish, usage, timings = [], [], None, None, None
         try:
             while finish is None:
                 try:
@@ -384,7 +384,7 @@ class App:
                 if "token" in ev:
                     lps.append(ev)
                 text.append(ev.get("text", ""))
-                finish, usage = ev.get("finish_reason"), ev.get("usage", usage)
+                finish, usage, timings = ev.get("finish_reason"), ev.get("usage", usage), ev.get("timings", timings)
         finally:
             if finish is None:
                 req.cancel()
@@ -399,13 +399,13 @@ class App:
             choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": [choice], "usage": usage})
+                             "choices": [choice], "usage": usage, "timings": timings})
 
     async def _stream(self, req: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, body: dict):
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
 
-        def chunk(delta_text=None, finish=None, ev=None, role=False):
+        def chunk(delta_text=None, finish=None, ev=None, role=False, timings=None):
             if chat:
                 delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
                 c = {"index": 0, "delta": delta, "finish_reason": finish}
@@ -415,8 +415,10 @@ class App:
                 c = {"index": 0, "text": delta_text or "", "finish_reason": finish}
                 if ev is not None and req.logprobs is not None:
                     c["logprobs"] = self._completion_lps([ev])
-            return {"data": json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                        "choices": [c]})}
+            out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
+            if timings is not None:   # the last chunk, as llama-server's
+                out["timings"] = timings
+            return {"data": json.dumps(out)}
         finished = False
         try:
             if chat:
@@ -429,7 +431,7 @@ class App:
                     finished = True
                     break
                 if "finish_reason" in ev:
-                    yield chunk(finish=ev["finish_reason"])
+                    yield chunk(finish=ev["finish_reason"], timings=ev.get("timings"))
                     if include_usage:
                         yield {"data": json.dumps({"id": rid, "object": obj, "created": created,
                                                    "model": self.model_name, "choices": [], "usage": ev["usage"]})}

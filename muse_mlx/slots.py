@@ -13,8 +13,12 @@ One thread owns the model and every MLX call (`Scheduler.run`). Each loop:
 
 Requests hear back through `emit` (called from this thread; the HTTP side makes it thread-safe):
 `{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
-`{"finish_reason": "stop" | "length", "usage": {...}}`, or `{"error": message}`. A request
-cancelled by its client (`cancel()`) frees its slot at the next loop.
+`{"finish_reason": "stop" | "length", "usage": {...}, "timings": {...}}`, or `{"error": message}`.
+A request cancelled by its client (`cancel()`) frees its slot at the next loop. `timings` are
+llama-server's: the prompt tokens taken from the prompt cache (`cache_n`) and prefilled
+(`prompt_n`) and the time from admission to the first token's logits (`prompt_ms`, with the
+prompt cache's restore and stores in it, also apart: `prompt_cache_ms`), then the tokens generated
+(`predicted_n`) and the time from those logits to the request's end (`predicted_ms`).
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class Slot:
         self.tokens: list[int] = []           # what the cache holds
         self.restored = False                 # holds a restored pack: a request extending its tokens reuses it
         self.cached = 0                       # the request's prompt tokens it did not prefill (usage's cached_tokens)
+        self.admitted = self.prompt_done = 0.0   # perf_counter at admission and at the first token's logits
+        self.cache_seconds = 0.0              # the prompt cache's restore and stores for this request
 
     def describe(self) -> dict:
         return {"id": self.index, "state": self.state, "n_ctx": self.cache.context, "n_past": self.cache.offset,
@@ -238,6 +244,7 @@ class Scheduler:
 
     def _admit(self, slot: Slot, request: Request) -> None:
         slot.request, slot.generated = request, 0
+        slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
         slot.sampler = Sampler(request.sampling)
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
@@ -246,13 +253,16 @@ class Scheduler:
         if slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
             start = len(slot.tokens)   # the request extends the pack restored here (a handoff)
         elif self.prompt_cache is not None:
+            t = time.perf_counter()
             hit = self.prompt_cache.lookup(request.prompt_ids, self.context)
+            slot.cache_seconds += time.perf_counter() - t
             if hit.cache is not None:
                 slot.cache, start = hit.cache, hit.reused
             if hit.logits is not None:   # the prompt's exact end: nothing to prefill
                 slot.restored, slot.cached = False, n
                 slot.tokens, slot.pending = list(request.prompt_ids), []
                 slot.logits, slot.state = mx.array(hit.logits), "decode"
+                slot.prompt_done = time.perf_counter()
                 if request.max_tokens == 0:
                     self._finish(slot, "length")
                 return
@@ -271,11 +281,16 @@ class Scheduler:
         offset, n_prompt = slot.cache.offset, len(slot.request.prompt_ids)
         if self.prompt_cache is not None and slot.pending and offset in self.prompt_cache.checkpoints(offset - 1,
                                                                                                       n_prompt):
+            t = time.perf_counter()
             self.prompt_cache.store(slot.cache, list(slot.tokens), {})
+            slot.cache_seconds += time.perf_counter() - t
         if not slot.pending:
             slot.logits, slot.state = logits[-1], "decode"
             if self.prompt_cache is not None:
+                t = time.perf_counter()
                 self.prompt_cache.store_end(slot.cache, list(slot.tokens), slot.logits)
+                slot.cache_seconds += time.perf_counter() - t
+            slot.prompt_done = time.perf_counter()
             if slot.request.max_tokens == 0:
                 self._finish(slot, "length")
 
@@ -347,8 +362,24 @@ class Scheduler:
             request.emit({"finish_reason": reason, "usage": {
                 "prompt_tokens": len(request.prompt_ids), "completion_tokens": slot.generated,
                 "total_tokens": len(request.prompt_ids) + slot.generated,
-                "prompt_tokens_details": {"cached_tokens": slot.cached}}})
+                "prompt_tokens_details": {"cached_tokens": slot.cached}}, "timings": self._timings(slot)})
         self._release(slot)
+
+    @staticmethod
+    def _timings(slot: Slot) -> dict:
+        """llama-server's `timings` of the slot's request (the module's docstring says what each holds)."""
+        prompt_n, predicted_n = len(slot.request.prompt_ids) - slot.cached, slot.generated
+        prompt_ms = (slot.prompt_done - slot.admitted) * 1e3
+        predicted_ms = (time.perf_counter() - slot.prompt_done) * 1e3
+
+        def per(n: int, ms: float) -> dict:
+            return {"per_token_ms": ms / n if n else None, "per_second": n / ms * 1e3 if n and ms > 0 else None}
+        p, g = per(prompt_n, prompt_ms), per(predicted_n, predicted_ms)
+        return {"cache_n": slot.cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": p["per_token_ms"], "prompt_per_second": p["per_second"],
+                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": g["per_token_ms"], "predicted_per_second": g["per_second"],
+                "prompt_cache_ms": slot.cache_seconds * 1e3}
 
     def _release(self, slot: Slot) -> None:
         slot.request, slot.state, slot.pending, slot.logits = None, "idle", [], None

@@ -106,6 +106,13 @@ def test_completion_streaming_and_not_equal_the_solo_run(client, solo):
     parts = list(client.completions.create(model="m", prompt=ids, max_tokens=24, temperature=0, stream=True))
     assert "".join(p.choices[0].text for p in parts if p.choices) == r.choices[0].text
     assert parts[-1].choices[0].finish_reason == "length"
+    # llama-server's timings: in the body, and in the stream's last chunk
+    for t in (r.model_extra["timings"], parts[-1].model_extra["timings"]):
+        assert (t["cache_n"], t["prompt_n"], t["predicted_n"]) == (0, 20, 24)
+        assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0 and t["prompt_cache_ms"] == 0
+        assert t["prompt_per_second"] == pytest.approx(20 / t["prompt_ms"] * 1e3)
+        assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 24)
+    assert all("timings" not in p.model_extra for p in parts[:-1])
 
 
 def test_chat_streaming_and_not(client):
@@ -362,6 +369,9 @@ def test_live_handoff_tool(f32_fixture, tmp_path, solo, depth, held):
         assert 0 < cell["payload_bytes_sent"] < cell["payload_bytes_full"]
     else:
         assert cell["payload_bytes_sent"] == cell["payload_bytes_full"] < cell["wire_bytes"]
+    t = cell["a_prefill_timings"]   # A's own account of its prefill: what it prefilled, and its checkpoints apart
+    assert t["prompt_n"] + t["cache_n"] == depth - 1 and t["predicted_n"] == 0
+    assert 0 < t["prompt_cache_ms"] < t["prompt_ms"] <= cell["a_prefill_s"] * 1e3
 
 
 def test_automatic_prompt_reuse_equals_the_solo_runs(f32_fixture, solo, tmp_path):
@@ -378,6 +388,9 @@ def test_automatic_prompt_reuse_equals_the_solo_runs(f32_fixture, solo, tmp_path
             r = c.completions.create(model="m", prompt=p, max_tokens=10, temperature=0)
             assert r.choices[0].text == solo(p, 10)
             cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            t = r.model_extra["timings"]
+            assert (t["cache_n"], t["prompt_n"]) == (cached[-1], len(p) - cached[-1])
+            assert 0 < t["prompt_cache_ms"] <= t["prompt_ms"]   # the lookup, and the stores when it prefilled
         # the first prompt's end (140) is no multiple of the prefill chunk (512), so the longer
         # prompt may not start from it (its chunks would differ from a cold run's): it prefills all
         assert cached == [0, 140, 0]

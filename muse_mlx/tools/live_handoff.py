@@ -7,7 +7,8 @@ process (`tools/handoff.py`). Two servers on one model, one slot each, each with
 all but the last of `--depth` tokens (`max_tokens: 0`) and hands its slot to B
 (`POST /slots/0?action=handoff`: only the blobs B lacks, then the manifest); B decodes `--tokens`
 greedy tokens from the whole prompt, and so does A from its own state. Recorded: both texts (B's
-must be A's), the payload bytes A sent against the full pack and, with nothing held, against the
+must be A's), A's prefill as the client saw it and as A's `timings` say (with the time its prompt
+cache's checkpoints took apart), the payload bytes A sent against the full pack and, with nothing held, against the
 formula from the file's geometry (the NoPE layers' rows of every position A held, the sliding
 layers' rows of the last `sliding_window`: at the pinned geometry and 130,815 tokens
 1,823,184,896 B), the bytes on the wire, and the times. The prompt is random token ids.
@@ -112,7 +113,8 @@ def run_cell(model: str, depth: int, held: int, tokens: int, ctx: int, work: Pat
                 _post(a.url, "/v1/completions", {"prompt": ids[:held], "max_tokens": 0})
                 first, _ = _post(a.url, "/slots/0?action=handoff", {"filename": "held", "to": b.url, "api_key": key})
                 cell["held_handoff"] = first
-            _, cell["a_prefill_s"] = _post(a.url, "/v1/completions", {"prompt": ids[:-1], "max_tokens": 0})
+            prefilled, cell["a_prefill_s"] = _post(a.url, "/v1/completions", {"prompt": ids[:-1], "max_tokens": 0})
+            cell["a_prefill_timings"] = prefilled.get("timings")   # the server's own: its prompt cache's stores apart
             sent, cell["handoff_s"] = _post(a.url, "/slots/0?action=handoff",
                                             {"filename": "cell", "to": b.url, "api_key": key})
             cell["handoff"] = sent
@@ -132,6 +134,10 @@ def run_cell(model: str, depth: int, held: int, tokens: int, ctx: int, work: Pat
     cell["b_equals_a"] = cell["b_text"] == cell["a_text"]
     cell["full_equals_formula"] = sent["payload_bytes_full"] == cell["formula_bytes"]
     return cell
+
+
+def _cache_s(cell: dict) -> float:
+    return ((cell.get("a_prefill_timings") or {}).get("prompt_cache_ms") or 0.0) / 1e3
 
 
 def _command(argv=None) -> int:
@@ -164,7 +170,8 @@ def _command(argv=None) -> int:
     print(f"handoff of {cell['positions_sent']:,} positions, {args.held:,} held by the receiver: payload sent "
           f"{cell['payload_bytes_sent']:,} of {cell['payload_bytes_full']:,} B ({cell['share']:.4%}), formula for the "
           f"full pack {cell['formula_bytes']:,} B; {cell['wire_bytes']:,} B on the wire; A's prefill "
-          f"{cell['a_prefill_s']:.2f} s, the handoff {cell['handoff_s']:.2f} s; B's {args.tokens} tokens equal A's: "
+          f"{cell['a_prefill_s']:.2f} s (its prompt cache's checkpoints {_cache_s(cell):.2f} s of it), the handoff "
+          f"{cell['handoff_s']:.2f} s; B's {args.tokens} tokens equal A's: "
           f"{cell['b_equals_a']}{' (synthetic weights)' if args.synthetic else ''}", flush=True)
     agrees = cell["b_equals_a"] and cell["full_equals_formula"] and (
         args.held or cell["payload_bytes_sent"] == cell["formula_bytes"])
