@@ -90,10 +90,10 @@ class PromptCache:
         ids = self._prefix_ids(prompt, ends)
         for n in reversed(ends):     # the exact end first, then the deepest checkpoint
             entry = self.root / "entries" / ids[n]
-            if not (entry / "manifest.json").exists():
-                continue
             t = time.perf_counter()
             try:
+                if not (entry / "manifest.json").exists():
+                    continue
                 pack = kvpack.read_manifest(entry)
                 m = pack.manifest
                 exact = n == len(prompt)
@@ -107,7 +107,13 @@ class PromptCache:
                 self.warn(f"prompt cache: dropping a corrupt entry ({exc})")
                 shutil.rmtree(entry, ignore_errors=True)
                 continue
-            os.utime(entry / "manifest.json")   # most recently used
+            except OSError as exc:   # the folder unreadable or gone: the prompt is computed
+                self.warn(f"prompt cache: cannot read {entry} ({exc.strerror or exc}); computing the prompt")
+                return Hit(None, 0, 0.0)
+            try:
+                os.utime(entry / "manifest.json")   # most recently used
+            except OSError:
+                pass
             return Hit(cache, n, time.perf_counter() - t, logits)
         return Hit(None, 0, 0.0)
 
@@ -148,8 +154,19 @@ class PromptCache:
 
     def store(self, cache, tokens: list[int], known: dict, last_logits=None) -> dict:
         """Save the cache (holding exactly `tokens`) as an entry; its blobs become links into the
-        store. Returns the plane chunks now known, for the next checkpoint of this cache."""
+        store. Returns the plane chunks now known, for the next checkpoint of this cache. A store
+        the disk refuses (full, read-only, the folder gone) is warned about and left out, its
+        partial entry removed: the prompt cache is an optimisation, never a reason a request fails."""
         entry = self.root / "entries" / self._entry_id(tokens)
+        try:
+            return self._store(entry, cache, tokens, known, last_logits)
+        except OSError as exc:
+            self.warn(f"prompt cache: could not store {len(tokens)} tokens' entry ({exc.strerror or exc}); "
+                      f"going on without it")
+            shutil.rmtree(entry, ignore_errors=True)
+            return {}
+
+    def _store(self, entry: Path, cache, tokens: list[int], known: dict, last_logits) -> dict:
         if (entry / "manifest.json").exists():
             try:
                 has_logits = "last_logits" in kvpack.read_manifest(entry).manifest

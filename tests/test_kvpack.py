@@ -401,6 +401,46 @@ def test_a_corrupt_prompt_cache_entry_is_dropped_with_a_warning(model, model_id,
     assert not any((tmp_path / "pc" / "entries").iterdir())
 
 
+def test_a_store_the_disk_refuses_is_warned_about_and_the_prompt_goes_on(model, model_id, tmp_path, monkeypatch):
+    """A full disk (ENOSPC from every write after the first checkpoint's): each checkpoint that cannot be
+    written is warned about and removed whole, the prompt's logits are a cold run's all the same,
+    and only entries written in full remain (a lookup finds the deepest). A prompt cache folder that
+    becomes unreadable is warned about and the prompt computed."""
+    import errno
+
+    from muse_mlx.prompt_cache import PromptCache
+    from muse_mlx.sampling import SamplerSettings
+
+    warned = []
+    pc = PromptCache(tmp_path / "pc", model_id, model.geometry, every=64, chunk=32, warn=warned.append)
+    ids = prompt(170, seed=6)
+    writes, real = [], kvpack._write_atomic
+
+    def full_disk(path, data):   # the disk fills once the first checkpoint (64) is written
+        if any(p.name == "manifest.json" for p in writes):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        writes.append(path)
+        return real(path, data)
+    monkeypatch.setattr(kvpack, "_write_atomic", full_disk)
+    logits = pc.prefill(model, ids, model.make_cache(4 * W + 64), 0)
+    _, cold_logits = cold_tokens(model, ids, SamplerSettings(), 1, chunk=32)
+    assert np.array_equal(np.array(logits[-1]), np.array(cold_logits[-1]))
+    assert warned and all("No space left on device" in w and "going on without it" in w for w in warned)
+    entries = list((tmp_path / "pc" / "entries").iterdir())
+    assert all((e / "manifest.json").exists() for e in entries)   # nothing half-written is left
+    monkeypatch.setattr(kvpack, "_write_atomic", real)
+    assert len(entries) == 1 and len(warned) == 3   # 64 stored; 128, 160 and the end (170) refused
+    assert pc.lookup(ids, 4 * W + 64).reused == 64
+    warned.clear()
+
+    def unreadable(path):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(kvpack, "read_manifest", unreadable)
+    hit = pc.lookup(ids, 4 * W + 64)
+    assert hit.cache is None and hit.reused == 0 and len(warned) == 1 and "cannot read" in warned[0]
+    assert all((e / "manifest.json").exists() for e in entries)   # not taken for corrupt: nothing removed
+
+
 def test_the_prompt_cache_keeps_to_its_budget_least_recently_used_first(model, model_id, tmp_path):
     from muse_mlx.prompt_cache import PromptCache
 
