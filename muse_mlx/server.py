@@ -13,6 +13,7 @@ field), 401 without the API key, 404, 503 with Retry-After when the queue is ful
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import sys
@@ -121,6 +122,12 @@ class App:
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                          middleware=[Middleware(_AuthMiddleware, app_state=self)])
 
+    def disk_error(self, exc: OSError, what: str):
+        """The server's disk refused a pack's or blob's bytes: not the request's fault, so 507
+        (Insufficient Storage) when it is full, else 500; the OpenAI-style body names what and why."""
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        return self.error(f"{what}: {exc.strerror or exc}", 507 if full else 500, "filename", "server_error")
+
     @staticmethod
     def error(message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error",
               headers: dict | None = None):
@@ -184,6 +191,9 @@ class App:
                 result = await loop.run_in_executor(None, self.scheduler.restore_slot, index, path, self.model_id)
         except MuseError as exc:
             return self.error(str(exc), 400, "filename")
+        except OSError as exc:
+            verb = {"save": "written", "restore": "read", "handoff": "sent"}[action]
+            return self.disk_error(exc, f"the slot's pack {name!r} could not be {verb}")
         return JSONResponse({**result, "filename": name})
 
     # ---- KV handoff: what a receiver holds, blobs and packs sent to it ----
@@ -216,8 +226,11 @@ class App:
         if hashlib.sha256(data).hexdigest() != name:
             return self.error("the blob's bytes do not hash to its name", 400, "name")
         incoming = self.slot_save_path / ".incoming" / "blobs"
-        incoming.mkdir(parents=True, exist_ok=True)
-        _write_atomic(incoming / f"{name}.safetensors", data)
+        try:
+            incoming.mkdir(parents=True, exist_ok=True)
+            _write_atomic(incoming / f"{name}.safetensors", data)   # whole or not at all
+        except OSError as exc:
+            return self.disk_error(exc, f"the blob {name[:12]}... could not be stored")
         return JSONResponse({"stored": name, "bytes": len(data)})
 
     async def kv_put_pack(self, request):
@@ -256,6 +269,9 @@ class App:
         except MuseError as exc:
             shutil.rmtree(out, ignore_errors=True)
             return self.error(str(exc), 400, "manifest")
+        except OSError as exc:
+            shutil.rmtree(out, ignore_errors=True)
+            return self.disk_error(exc, f"the pack {name!r} could not be written")
         return JSONResponse({"filename": name, "n_tokens": pack.manifest["offset"]})
 
     def _handoff(self, index: int, name: str, to: str, key: str | None, to_slot: int) -> dict:

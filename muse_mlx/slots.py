@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -396,7 +398,13 @@ class Scheduler:
             if slot.state != "idle":
                 raise MuseError(f"slot {index} is busy")
             t = time.perf_counter()
-            kvpack.save(slot.cache, slot.tokens, model_id, path)
+            fresh = not os.path.exists(path)
+            try:
+                kvpack.save(slot.cache, slot.tokens, model_id, path)
+            except OSError:   # the disk refused it (full, read-only): nothing half-written is left
+                if fresh:
+                    shutil.rmtree(path, ignore_errors=True)
+                raise
             return {"id_slot": index, "n_saved": len(slot.tokens), "ms": (time.perf_counter() - t) * 1e3}
         return self.control(save)
 

@@ -5,6 +5,7 @@ and a small load test (MUSE_LOAD_REQUESTS for a larger one)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -520,3 +521,59 @@ def test_the_warm_up_traces_the_decode_step_on_the_engine_thread_and_leaves_no_t
     finally:
         sched.stop()
         sched.thread.join(60)
+
+
+def test_a_slot_save_the_disk_refuses_is_507_and_leaves_nothing(f32_fixture, tmp_path, monkeypatch):
+    """POST /slots/{id}?action=save onto a full disk (ENOSPC from the pack's writes): 507 with an
+    OpenAI-style error naming the pack and the cause, no half-written pack left, and the server
+    answering on; another OSError (the disk read-only) is a 500 of the same shape. The handoff's
+    receiving side likewise: a blob (PUT /kv/blobs) or a pack (POST /kv/packs) the disk refuses is
+    a 507 and leaves nothing. In process (the server's own app, an idle slot, so the engine thread
+    runs no MLX step)."""
+    import errno
+    import types
+
+    from starlette.testclient import TestClient
+
+    from muse_mlx import kvpack, server
+
+    saves = tmp_path / "saves"
+    saves.mkdir()
+    args = types.SimpleNamespace(model=str(f32_fixture), reference=True, ctx_size=64, parallel=1, queue=4,
+                                 prompt_cache=None, slot_save_path=str(saves), api_key=None)
+    app, scheduler = server.build(args)
+    scheduler.thread.start()
+    try:
+        client = TestClient(app.starlette())
+        for code, status in ((errno.ENOSPC, 507), (errno.EROFS, 500)):
+            def refused(path, data, code=code):
+                raise OSError(code, os.strerror(code))
+            monkeypatch.setattr(kvpack, "_write_atomic", refused)
+            r = client.post("/slots/0?action=save", json={"filename": f"p{code}"})
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert f"'p{code}'" in err["message"] and os.strerror(code) in err["message"]
+            assert err["type"] == "server_error" and not any(saves.iterdir())
+        monkeypatch.undo()
+        r = client.post("/slots/0?action=save", json={"filename": "ok"})
+        assert r.status_code == 200 and (saves / "ok" / "manifest.json").exists()
+        # the handoff's receiving side: a blob, then a pack whose blobs cannot be copied in
+        data = b"some blob bytes"
+        name = hashlib.sha256(data).hexdigest()
+        monkeypatch.setattr(kvpack, "_write_atomic", lambda path, data: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        r = client.put(f"/kv/blobs/{name}", content=data)
+        assert r.status_code == 507 and "could not be stored" in r.json()["error"]["message"]
+        assert not list((saves / ".incoming" / "blobs").iterdir())
+        monkeypatch.undo()
+        import shutil as sh
+        monkeypatch.setattr(sh, "copyfile", lambda *a, **k: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        r = client.post("/kv/packs/copy", content=(saves / "ok" / "manifest.json").read_bytes())
+        assert r.status_code == 507 and "'copy' could not be written" in r.json()["error"]["message"], r.text
+        assert not (saves / "copy").exists()
+        monkeypatch.undo()
+        assert client.get("/health").status_code == 200
+    finally:
+        scheduler.stop()
+        scheduler.thread.join(60)
