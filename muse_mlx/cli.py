@@ -2,8 +2,10 @@
 
 A user error (a bad flag, file, prompt or value) prints one line, `error: <what was wrong>`, to
 stderr and exits 2; Ctrl-C prints `interrupted` and exits 130; a closed stdout (output piped
-into `head`) ends the command quietly with 0, as `head` expects. Anything else is a bug and
-keeps its traceback.
+into `head`) ends the command quietly with 0, as `head` expects; the system refusing a file's
+bytes or a connection (a full or read-only disk, a server gone: an OSError the command did not
+turn into a user error) prints one line naming the file and the cause and exits 1. Anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ def run(command: Callable[[list[str] | None], int], argv: list[str] | None = Non
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        try:   # stdout itself may be what refused (a full disk behind it): no second error at exit
+            sys.stdout.flush()
+        except OSError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 def exit_now(status: int) -> None:

@@ -1,6 +1,7 @@
 """`python -m muse_mlx.generate`: stdout carries only text, stats go to stderr, user errors exit 2."""
 
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -175,6 +176,16 @@ def test_a_closed_stdout_ends_quietly(f32_fixture):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 0 and err == "", err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_disk_behind_stdout_is_one_line_and_status_1(f32_fixture):
+    """stdout on a full disk (/dev/full: every write ENOSPC): one line naming the cause, status 1 (the
+    system's refusal, not the user's error), no traceback and nothing more at exit."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "-m", "4",
+                            "-p", "hello"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr == "error: No space left on device\n", r.stderr
 
 
 def _poisoned(model, at_step: int):
