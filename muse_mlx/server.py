@@ -36,6 +36,24 @@ class BadRequest(Exception):
         self.message, self.param, self.status = message, param, status
 
 
+JSON_MAX_BYTES = 64 * 2**20   # a request's JSON body: a whole context of token ids is ~1 MB
+
+
+async def read_body(request, limit: int, what: str = "the request's body") -> bytes:
+    """The body, refused with 413 past `limit` bytes (by its Content-Length before reading, else as
+    it arrives): a client cannot make the server hold more than that."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"{what} is {int(declared):,} bytes, more than the {limit:,} this server takes", None, 413)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BadRequest(f"{what} is more than the {limit:,} bytes this server takes", None, 413)
+        parts.append(part)
+    return b"".join(parts)
+
+
 def _reject_constant(name):
     raise BadRequest(f"{name} is not a JSON number")
 
@@ -99,6 +117,18 @@ class App:
                  slot_save_path: Path | None):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
+
+    @property
+    def blob_max_bytes(self) -> int:
+        """The largest blob a pack of this model can hold (kvpack's: a plane chunk of CHUNK_ROWS
+        positions, a ring group of RING_GROUP layers at the full window, the last logits; float32,
+        the widest encoding), plus room for its safetensors header: PUT /kv/blobs takes no more."""
+        from . import kvpack
+
+        g = self.scheduler.model.geometry
+        row = 2 * g.n_head_kv * g.head_dim * 4
+        largest = max(kvpack.CHUNK_ROWS * g.n_full * row, kvpack.RING_GROUP * g.sliding_window * row, g.n_vocab * 4)
+        return largest + 2**20
 
     # ---- routes ----
 
@@ -169,7 +199,7 @@ class App:
         if self.slot_save_path is None:
             return self.error("slot save/restore needs the server's --slot-save-path", 400, "action")
         try:
-            body = parse_json(await request.body())
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
             name = _plain_name(body.get("filename"))
             if action == "handoff":
                 to = body.get("to")
@@ -222,7 +252,10 @@ class App:
         name = request.path_params["name"]
         if not _is_name(name):
             return self.error("a blob's name is its SHA-256 (64 hex digits)", 400, "name")
-        data = await request.body()
+        try:
+            data = await read_body(request, self.blob_max_bytes, "the blob")
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
         if hashlib.sha256(data).hexdigest() != name:
             return self.error("the blob's bytes do not hash to its name", 400, "name")
         incoming = self.slot_save_path / ".incoming" / "blobs"
@@ -249,9 +282,10 @@ class App:
         out = self.slot_save_path / name
         if out.exists():
             return self.error(f"a pack named {name!r} exists", 400, "filename")
-        data = await request.body()
-        if len(data) > kvpack.MANIFEST_MAX_BYTES:
-            return self.error("the manifest is too large", 400)
+        try:
+            data = await read_body(request, kvpack.MANIFEST_MAX_BYTES, "the manifest")
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
         try:
             (out / "blobs").mkdir(parents=True)
             (out / "manifest.json").write_bytes(data)
@@ -310,7 +344,7 @@ class App:
 
     async def completions(self, request):
         try:
-            body = parse_json(await request.body())
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt)
@@ -329,7 +363,7 @@ class App:
 
     async def chat(self, request):
         try:
-            body = parse_json(await request.body())
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -577,3 +577,44 @@ def test_a_slot_save_the_disk_refuses_is_507_and_leaves_nothing(f32_fixture, tmp
     finally:
         scheduler.stop()
         scheduler.thread.join(60)
+
+
+def test_a_body_past_its_limit_is_413_before_it_is_held(f32_fixture, tmp_path):
+    """A client cannot make the server hold more than a body's limit: a JSON request past
+    server.JSON_MAX_BYTES (sent in pieces, no Content-Length) and a blob past the largest a pack of
+    this model can hold get 413 with an OpenAI-style error, read no further than the limit, and the
+    server answers on. A declared Content-Length past the limit is refused before any byte is read."""
+    import types
+
+    from starlette.testclient import TestClient
+
+    from muse_mlx import server
+
+    saves = tmp_path / "saves"
+    saves.mkdir()
+    args = types.SimpleNamespace(model=str(f32_fixture), reference=True, ctx_size=64, parallel=1, queue=4,
+                                 prompt_cache=None, slot_save_path=str(saves), api_key=None)
+    app, scheduler = server.build(args)
+    scheduler.thread.start()
+    try:
+        client = TestClient(app.starlette())
+        sent = [0]
+
+        def pieces(total, piece=2**20):
+            while sent[0] < total:
+                sent[0] += piece
+                yield b" " * piece
+        r = client.post("/v1/completions", content=pieces(server.JSON_MAX_BYTES + 2**21))
+        assert r.status_code == 413 and "more than the 67,108,864 bytes" in r.json()["error"]["message"], r.text
+        assert sent[0] <= server.JSON_MAX_BYTES + 2 * 2**20   # it stopped reading at the limit
+        limit = app.blob_max_bytes
+        r = client.put("/kv/blobs/" + "ab" * 32, content=b"\0" * (limit + 1))
+        assert r.status_code == 413 and f"more than the {limit:,}" in r.json()["error"]["message"]
+        assert not (saves / ".incoming").exists()
+        r = client.post("/v1/completions", content=b"{}", headers={"content-length": str(10**12)})
+        assert r.status_code == 413 and "1,000,000,000,000 bytes" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        scheduler.stop()
+        scheduler.thread.join(60)
