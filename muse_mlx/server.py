@@ -7,7 +7,8 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming over SSE or not
 GET /health, GET /slots, POST /slots/{id}?action=save|restore (body {"filename": NAME}, a kvpack
 under --slot-save-path). Built on Starlette + uvicorn + sse-starlette; the engine side is
 muse_mlx/slots.py. Errors are OpenAI-style bodies: 400 for a request that is wrong (naming the
-field), 401 without the API key, 404, 503 with Retry-After when the queue is full.
+field), 401 without the API key, 404, 413 for a body past its limit, 503 with Retry-After when the
+queue is full, 507 (else 500) when the disk refuses a pack. Answers carry llama-server's `timings`.
 """
 
 from __future__ import annotations
