@@ -523,67 +523,11 @@ def test_the_warm_up_traces_the_decode_step_on_the_engine_thread_and_leaves_no_t
         sched.thread.join(60)
 
 
-def test_a_slot_save_the_disk_refuses_is_507_and_leaves_nothing(f32_fixture, tmp_path, monkeypatch):
-    """POST /slots/{id}?action=save onto a full disk (ENOSPC from the pack's writes): 507 with an
-    OpenAI-style error naming the pack and the cause, no half-written pack left, and the server
-    answering on; another OSError (the disk read-only) is a 500 of the same shape. The handoff's
-    receiving side likewise: a blob (PUT /kv/blobs) or a pack (POST /kv/packs) the disk refuses is
-    a 507 and leaves nothing. In process (the server's own app, an idle slot, so the engine thread
-    runs no MLX step)."""
-    import errno
-    import types
-
-    from starlette.testclient import TestClient
-
-    from muse_mlx import kvpack, server
-
-    saves = tmp_path / "saves"
-    saves.mkdir()
-    args = types.SimpleNamespace(model=str(f32_fixture), reference=True, ctx_size=64, parallel=1, queue=4,
-                                 prompt_cache=None, slot_save_path=str(saves), api_key=None)
-    app, scheduler = server.build(args)
-    scheduler.thread.start()
-    try:
-        client = TestClient(app.starlette())
-        for code, status in ((errno.ENOSPC, 507), (errno.EROFS, 500)):
-            def refused(path, data, code=code):
-                raise OSError(code, os.strerror(code))
-            monkeypatch.setattr(kvpack, "_write_atomic", refused)
-            r = client.post("/slots/0?action=save", json={"filename": f"p{code}"})
-            assert r.status_code == status, r.text
-            err = r.json()["error"]
-            assert f"'p{code}'" in err["message"] and os.strerror(code) in err["message"]
-            assert err["type"] == "server_error" and not any(saves.iterdir())
-        monkeypatch.undo()
-        r = client.post("/slots/0?action=save", json={"filename": "ok"})
-        assert r.status_code == 200 and (saves / "ok" / "manifest.json").exists()
-        # the handoff's receiving side: a blob, then a pack whose blobs cannot be copied in
-        data = b"some blob bytes"
-        name = hashlib.sha256(data).hexdigest()
-        monkeypatch.setattr(kvpack, "_write_atomic", lambda path, data: (_ for _ in ()).throw(
-            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
-        r = client.put(f"/kv/blobs/{name}", content=data)
-        assert r.status_code == 507 and "could not be stored" in r.json()["error"]["message"]
-        assert not list((saves / ".incoming" / "blobs").iterdir())
-        monkeypatch.undo()
-        import shutil as sh
-        monkeypatch.setattr(sh, "copyfile", lambda *a, **k: (_ for _ in ()).throw(
-            OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
-        r = client.post("/kv/packs/copy", content=(saves / "ok" / "manifest.json").read_bytes())
-        assert r.status_code == 507 and "'copy' could not be written" in r.json()["error"]["message"], r.text
-        assert not (saves / "copy").exists()
-        monkeypatch.undo()
-        assert client.get("/health").status_code == 200
-    finally:
-        scheduler.stop()
-        scheduler.thread.join(60)
-
-
-def test_a_body_past_its_limit_is_413_before_it_is_held(f32_fixture, tmp_path):
-    """A client cannot make the server hold more than a body's limit: a JSON request past
-    server.JSON_MAX_BYTES (sent in pieces, no Content-Length) and a blob past the largest a pack of
-    this model can hold get 413 with an OpenAI-style error, read no further than the limit, and the
-    server answers on. A declared Content-Length past the limit is refused before any byte is read."""
+@pytest.fixture
+def in_process(f32_fixture, tmp_path):
+    """The server's own app in this process (server.build: the reference backend, one slot of 64
+    positions, a --slot-save-path), its engine thread started, a Starlette TestClient on it:
+    (app, client, the slot-save folder); the engine thread stopped after."""
     import types
 
     from starlette.testclient import TestClient
@@ -597,24 +541,77 @@ def test_a_body_past_its_limit_is_413_before_it_is_held(f32_fixture, tmp_path):
     app, scheduler = server.build(args)
     scheduler.thread.start()
     try:
-        client = TestClient(app.starlette())
-        sent = [0]
-
-        def pieces(total, piece=2**20):
-            while sent[0] < total:
-                sent[0] += piece
-                yield b" " * piece
-        r = client.post("/v1/completions", content=pieces(server.JSON_MAX_BYTES + 2**21))
-        assert r.status_code == 413 and "more than the 67,108,864 bytes" in r.json()["error"]["message"], r.text
-        assert sent[0] <= server.JSON_MAX_BYTES + 2 * 2**20   # it stopped reading at the limit
-        limit = app.blob_max_bytes
-        r = client.put("/kv/blobs/" + "ab" * 32, content=b"\0" * (limit + 1))
-        assert r.status_code == 413 and f"more than the {limit:,}" in r.json()["error"]["message"]
-        assert not (saves / ".incoming").exists()
-        r = client.post("/v1/completions", content=b"{}", headers={"content-length": str(10**12)})
-        assert r.status_code == 413 and "1,000,000,000,000 bytes" in r.json()["error"]["message"]
-        r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+        yield app, TestClient(app.starlette()), saves
     finally:
         scheduler.stop()
         scheduler.thread.join(60)
+
+
+def test_a_slot_save_the_disk_refuses_is_507_and_leaves_nothing(in_process, monkeypatch):
+    """POST /slots/{id}?action=save onto a full disk (ENOSPC from the pack's writes): 507 with an
+    OpenAI-style error naming the pack and the cause, no half-written pack left, and the server
+    answering on; another OSError (the disk read-only) is a 500 of the same shape. The handoff's
+    receiving side likewise: a blob (PUT /kv/blobs) or a pack (POST /kv/packs) the disk refuses is
+    a 507 and leaves nothing. In process (the server's own app, an idle slot, so the engine thread
+    runs no MLX step)."""
+    import errno
+    import shutil
+
+    from muse_mlx import kvpack
+
+    _, client, saves = in_process
+    for code, status in ((errno.ENOSPC, 507), (errno.EROFS, 500)):
+        def refused(path, data, code=code):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(kvpack, "_write_atomic", refused)
+        r = client.post("/slots/0?action=save", json={"filename": f"p{code}"})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert f"'p{code}'" in err["message"] and os.strerror(code) in err["message"]
+        assert err["type"] == "server_error" and not any(saves.iterdir())
+    monkeypatch.undo()
+    r = client.post("/slots/0?action=save", json={"filename": "ok"})
+    assert r.status_code == 200 and (saves / "ok" / "manifest.json").exists()
+    # the handoff's receiving side: a blob, then a pack whose blobs cannot be copied in
+    data = b"some blob bytes"
+    name = hashlib.sha256(data).hexdigest()
+    monkeypatch.setattr(kvpack, "_write_atomic", lambda path, data: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    r = client.put(f"/kv/blobs/{name}", content=data)
+    assert r.status_code == 507 and "could not be stored" in r.json()["error"]["message"]
+    assert not list((saves / ".incoming" / "blobs").iterdir())
+    monkeypatch.undo()
+    monkeypatch.setattr(shutil, "copyfile", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    r = client.post("/kv/packs/copy", content=(saves / "ok" / "manifest.json").read_bytes())
+    assert r.status_code == 507 and "'copy' could not be written" in r.json()["error"]["message"], r.text
+    assert not (saves / "copy").exists()
+    monkeypatch.undo()
+    assert client.get("/health").status_code == 200
+
+
+def test_a_body_past_its_limit_is_413_before_it_is_held(in_process):
+    """A client cannot make the server hold more than a body's limit: a JSON request past
+    server.JSON_MAX_BYTES (sent in pieces, no Content-Length) and a blob past the largest a pack of
+    this model can hold get 413 with an OpenAI-style error, read no further than the limit, and the
+    server answers on. A declared Content-Length past the limit is refused before any byte is read."""
+    from muse_mlx import server
+
+    app, client, saves = in_process
+    sent = [0]
+
+    def pieces(total, piece=2**20):
+        while sent[0] < total:
+            sent[0] += piece
+            yield b" " * piece
+    r = client.post("/v1/completions", content=pieces(server.JSON_MAX_BYTES + 2**21))
+    assert r.status_code == 413 and "more than the 67,108,864 bytes" in r.json()["error"]["message"], r.text
+    assert sent[0] <= server.JSON_MAX_BYTES + 2 * 2**20   # it stopped reading at the limit
+    limit = app.blob_max_bytes
+    r = client.put("/kv/blobs/" + "ab" * 32, content=b"\0" * (limit + 1))
+    assert r.status_code == 413 and f"more than the {limit:,}" in r.json()["error"]["message"]
+    assert not (saves / ".incoming").exists()
+    r = client.post("/v1/completions", content=b"{}", headers={"content-length": str(10**12)})
+    assert r.status_code == 413 and "1,000,000,000,000 bytes" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
