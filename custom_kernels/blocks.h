@@ -91,6 +91,18 @@ inline uint2 k4_scale_min_bits(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
   return r;
 }
 
+// k4_scale_min_bits without branches (a select), for lanes of one simdgroup that hold
+// different groups g.
+inline uint2 k4_scale_min_bits_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {
+  const uint32_t k = 8u * uint32_t(g & 3);
+  const uint32_t a = s0 >> k, b = s1 >> k, c = s2 >> k;
+  const bool low = g < 4;
+  uint2 r;
+  r.x = low ? (a & 63u) : ((c & 15u) | ((a >> 6 & 3u) << 4));
+  r.y = low ? (b & 63u) : ((c >> 4 & 15u) | ((b >> 6 & 3u) << 4));
+  return r;
+}
+
 // k4_scale_min_words without branches (a select), for lanes of one simdgroup that hold
 // different groups g.
 inline float2 k4_scale_min_sel(int g, uint32_t s0, uint32_t s1, uint32_t s2) {

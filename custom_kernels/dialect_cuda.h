@@ -12,6 +12,7 @@
 #define MAKE_FLOAT4(a, b, c, d) make_float4(a, b, c, d)
 #define UNROLL_4 _Pragma("unroll 4")
 #define UNROLL_2 _Pragma("unroll 2")
+#define UNROLL_1 _Pragma("unroll 1")
 #define UNROLL_FULL _Pragma("unroll")
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -468,3 +468,45 @@ def test_prefill_attention_is_planned_within_memory():
     assert dict(plan.prefill_attention_launch(9, 32, 2, 128, h200)[1]["template"])["KB"] == 64
     assert plan.prefill_attention_launch(9, 32, 2, 40, metal32) is None
     assert plan.prefill_attention_launch(9, 30, 4, 128, metal32) is None
+
+
+@pytest.mark.parametrize("b, n, k, config", [
+    (3, 37, 768, {}), (4, 17, 1280, {}), (1, 5, 256, {}), (2, 40, 512, {}),
+    (3, 21, 2048, {}),                                      # K in parts (Metal's 32 KB)
+    (2, 103, 2048, {"mma_warps": 6, "mma_tile_warps": 2, "mma_parts": 1}),  # two warps a tile, a last round past it
+    (4, 100, 1280, {"mma_warps": 6, "mma_tile_warps": 3}),  # 5 blocks over 3 warps: one idle
+    (4, 19, 6656, {"mma_tile_warps": 32}),                  # the whole threadgroup on one tile
+], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{a}={c}" for a, c in v.items()) or "-")
+def test_tensor_core_matvec_q4k_blocks(b, n, k, config):
+    """Q4_K's block form (mma_q4k_blocks=1: a whole block a step, each lane on its own two groups,
+    the mins as one more mma) against float64, on the plans the unit form's checks cover."""
+    from muse_mlx.kernels import Device, Kernels
+    from metal_emulator import EmulatedKernel
+    device = Device("metal", 4, 1 << 20) if k == 6656 or "mma_warps" in config else None
+    cfg = KernelConfig(stream_groups=2, mma_q4k_blocks=1, **config)
+    kernels = (Kernels(device, cfg, build=lambda name, which, shared: EmulatedKernel(name)) if device
+               else emulated_kernels(cfg))
+    p = plan.mma_plan(QT.Q4_K, k, n, b, kernels.device, kernels.config)
+    assert p is not None and plan.mma_launch(QT.Q4_K, k, n, kernels.device, kernels.config, b)[0] == "matvec_mma_q4_k_blocks"
+    if k == 2048 and "mma_parts" not in config:
+        assert p.parts > 1
+    if "mma_tile_warps" in config and config["mma_tile_warps"] < 32:
+        assert p.tile_warps == config["mma_tile_warps"] and p.warps > p.tile_warps, p
+    rng = np.random.default_rng([b, n, k, 31])
+    w = random_blocks(n, k, QT.Q4_K, rng)
+    x = (rng.standard_normal((b, k)) * np.exp(rng.uniform(-6, 6, (b, 1)))).astype(np.float32)
+    out = np.array(kernels.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=NAN))
+    W = dense(w, QT.Q4_K, n, k)
+    assert out.shape == (b, n) and np.isfinite(out).all()
+    assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
+
+
+def test_tensor_core_matvec_q4k_blocks_carries_non_finite_x():
+    """The block form: an infinite or NaN x (its groups' sums too) gives non-finite products."""
+    kernels = emulated_kernels(KernelConfig(stream_groups=1, mma_q4k_blocks=1))
+    rng = np.random.default_rng(29)
+    w = random_blocks(16, 256, QT.Q4_K, rng)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    x[0, 7], x[1, 200] = np.inf, np.nan
+    out = np.array(kernels.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=0.0))
+    assert not np.isfinite(out[0]).any() and not np.isfinite(out[1]).any()

@@ -144,6 +144,7 @@ def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: D
 # (1,024 of fragments, 32 of group sums), in dynamic threadgroup memory; red[2][NW][128] and
 # tmax[NW][4] static, per warp.
 MMA_UNIT_BYTES = 1056
+MMA_BLOCK_UNIT_BYTES = 32   # the block form's min fragments: 128 bytes a block
 MMA_WARP_BYTES = 2 * 128 * 4 + 16
 MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
 # Warps a threadgroup at most: 26 against 13 took gate|up from 0.159 to 0.116 ms at B = 4, the
@@ -153,6 +154,9 @@ MMA_MAX_WARPS = 32
 # each type's builds). A threadgroup's warps are capped so that they fit GROUP_REGISTERS (MLX
 # launches without launch bounds).
 MMA_REGISTERS = {QT.Q4_K: 78, QT.Q6_K: 64}
+# The block form (KernelConfig.mma_q4k_blocks): nvcc 13.0 gives it 72-86 (2026-12-04, local); NVRTC's
+# builds of the other forms took up to 8 more than nvcc's, so 96 until ncu reads it.
+MMA_BLOCK_REGISTERS = 96
 # The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
 # them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = 12
@@ -181,18 +185,20 @@ def _mma_warps(units: int, limit: int) -> int:
 MMA_ROUND_UNITS = 2
 
 
-def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int = 0) -> tuple[int, int]:
+def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int = 0,
+              granule: int = 1) -> tuple[int, int]:
     """(NW, KW) of the tensor-core form: at most `limit` warps a threadgroup, KW (tile_warps
     when given) of them on each tile. Chosen to make the busiest warp's work the least, counted
     in units of K: rounds x (units a warp of a tile + MMA_ROUND_UNITS where KW > 1), where a
-    round gives each of `groups` threadgroups NW / KW tiles; on a tie, the most threadgroups
-    busy, then the most warps (more loads in flight)."""
+    round gives each of `groups` threadgroups NW / KW tiles, and a warp's units come `granule`
+    at a time (4: the block form's whole blocks); on a tie, the most threadgroups busy, then the
+    most warps (more loads in flight)."""
     def cost(nw: int, kw: int) -> tuple:
         tpg = nw // kw
         rounds = -(-tiles // (groups * tpg))
-        return (rounds * (-(-units // kw) + (MMA_ROUND_UNITS if kw > 1 else 0)),
+        return (rounds * (granule * -(-units // (granule * kw)) + (MMA_ROUND_UNITS if kw > 1 else 0)),
                 -min(groups, -(-tiles // tpg)), -nw)
-    kws = [tile_warps] if tile_warps else range(1, min(limit, units) + 1)
+    kws = [tile_warps] if tile_warps else range(1, min(limit, units // granule) + 1)
     return min(((nw, kw) for kw in kws for nw in range(kw, limit + 1, kw)), key=lambda p: cost(*p))
 
 
@@ -207,8 +213,10 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    whole_regs = MMA_REGISTERS[qtype]
-    split_regs = whole_regs + MMA_SPLIT_MARGIN
+    blocks = qtype == QT.Q4_K and config.mma_q4k_blocks   # matvec_mma_q4_k_blocks: whole blocks a step
+    granule = 4 if blocks else 1
+    whole_regs = MMA_BLOCK_REGISTERS if blocks else MMA_REGISTERS[qtype]
+    split_regs = whole_regs + (0 if blocks else MMA_SPLIT_MARGIN)   # nvcc's 72-86 cover the block form's splits
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
     first = max(1, config.mma_parts)
@@ -216,14 +224,14 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
         if units % parts or (units // parts) % 4:
             continue
         upp = units // parts
-        memory = MMA_UNIT_BYTES * upp + 32
+        memory = (MMA_UNIT_BYTES + (MMA_BLOCK_UNIT_BYTES if blocks else 0)) * upp + 32
         room = min(limit, (device.group_memory - memory) // MMA_WARP_BYTES,   # buffers, registers
                    GROUP_REGISTERS // (32 * split_regs))
-        if config.mma_tile_warps >= min(limit, upp):   # the whole threadgroup on one tile
-            warps = kw = _mma_warps(upp, limit)
+        if config.mma_tile_warps >= min(limit, upp // granule):   # the whole threadgroup on one tile
+            warps = kw = _mma_warps(upp // granule, limit)
         elif room >= max(1, config.mma_tile_warps):
             warps, kw = mma_split(tiles, upp, config.stream_groups or max(1, device.cores // parts), room,
-                                  config.mma_tile_warps)
+                                  config.mma_tile_warps, granule)
         else:
             continue
         static = MMA_WARP_BYTES * warps
@@ -251,7 +259,8 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
+    name = f"matvec_mma_{STREAM_VARIANTS[qtype][0]}" + ("_blocks" if qtype == QT.Q4_K and config.mma_q4k_blocks else "")
+    return name, p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 
