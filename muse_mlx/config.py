@@ -65,7 +65,7 @@ class KernelConfig:
         quad on its own nibble pair (two groups: their scales and mins made once a block, not four
         times), its rows' bytes in 16-byte pieces, the mins as one more mma a block
         (matvec_mma_q4_k_blocks); 0 = a 64-value unit a step, every lane making the unit's two
-        groups' scales and mins (matvec_mma_q4_k).
+        groups' scales and mins (matvec_mma_q4_k); 2 = the block form with its loop unrolled by two.
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -123,7 +123,7 @@ class KernelConfig:
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
-                  "mma_parts": (0, 8), "mma_q4k_blocks": (0, 1),
+                  "mma_parts": (0, 8), "mma_q4k_blocks": (0, 2),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1)}
         for name, (lo, hi) in limits.items():

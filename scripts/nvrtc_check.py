@@ -52,7 +52,7 @@ CASES = [
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
     *[(f"matvec_mma_{v}", ["uint8", "float32"], ["float32"],
        [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb)])
-      for v, rb in (("q4_k", 144), ("q6_k", 210), ("q4_k_blocks", 144))
+      for v, rb in (("q4_k", 144), ("q6_k", 210), ("q4_k_blocks", 144), ("q4_k_blocks2", 144))
       for k, nw, kw, kp in ((4096, 16, 16, 1), (4096, 20, 5, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 20, 4, 1),
                             (6656, 19, 1, 1), (19968, 13, 13, 2))
       for b in (2, 4)],

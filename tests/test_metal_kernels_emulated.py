@@ -477,17 +477,19 @@ def test_prefill_attention_is_planned_within_memory():
     (4, 100, 1280, {"mma_warps": 6, "mma_tile_warps": 3}),  # 5 blocks over 3 warps: one idle
     (4, 19, 6656, {"mma_tile_warps": 32}),                  # the whole threadgroup on one tile
 ], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{a}={c}" for a, c in v.items()) or "-")
-def test_tensor_core_matvec_q4k_blocks(b, n, k, config):
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_tensor_core_matvec_q4k_blocks(b, n, k, config, blocks):
     """Q4_K's block form (mma_q4k_blocks=1: a whole block a step, each lane on its own two groups,
     the mins as one more mma) against float64, on the plans the unit form's checks cover."""
     from muse_mlx.kernels import Device, Kernels
     from metal_emulator import EmulatedKernel
     device = Device("metal", 4, 1 << 20) if k == 6656 or "mma_warps" in config else None
-    cfg = KernelConfig(stream_groups=2, mma_q4k_blocks=1, **config)
+    cfg = KernelConfig(stream_groups=2, mma_q4k_blocks=blocks, **config)
     kernels = (Kernels(device, cfg, build=lambda name, which, shared: EmulatedKernel(name)) if device
                else emulated_kernels(cfg))
     p = plan.mma_plan(QT.Q4_K, k, n, b, kernels.device, kernels.config)
-    assert p is not None and plan.mma_launch(QT.Q4_K, k, n, kernels.device, kernels.config, b)[0] == "matvec_mma_q4_k_blocks"
+    name = plan.mma_launch(QT.Q4_K, k, n, kernels.device, kernels.config, b)[0]
+    assert p is not None and name == "matvec_mma_q4_k_blocks" + ("2" if blocks == 2 else "")
     if k == 2048 and "mma_parts" not in config:
         assert p.parts > 1
     if "mma_tile_warps" in config and config["mma_tile_warps"] < 32:

@@ -156,7 +156,7 @@ MMA_MAX_WARPS = 32
 MMA_REGISTERS = {QT.Q4_K: 78, QT.Q6_K: 64}
 # The block form (KernelConfig.mma_q4k_blocks): nvcc 13.0 gives it 72-86 (2026-12-04, local); NVRTC's
 # builds of the other forms took up to 8 more than nvcc's, so 96 until ncu reads it.
-MMA_BLOCK_REGISTERS = 96
+MMA_BLOCK_REGISTERS = {1: 96, 2: 106}   # mma_q4k_blocks=2: its loop unrolled by two (nvcc: 84-106)
 # The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
 # them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = 12
@@ -213,9 +213,9 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    blocks = qtype == QT.Q4_K and config.mma_q4k_blocks   # matvec_mma_q4_k_blocks: whole blocks a step
+    blocks = config.mma_q4k_blocks if qtype == QT.Q4_K else 0   # matvec_mma_q4_k_blocks: whole blocks a step
     granule = 4 if blocks else 1
-    whole_regs = MMA_BLOCK_REGISTERS if blocks else MMA_REGISTERS[qtype]
+    whole_regs = MMA_BLOCK_REGISTERS[blocks] if blocks else MMA_REGISTERS[qtype]
     split_regs = whole_regs + (0 if blocks else MMA_SPLIT_MARGIN)   # nvcc's 72-86 cover the block form's splits
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
@@ -259,7 +259,8 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    name = f"matvec_mma_{STREAM_VARIANTS[qtype][0]}" + ("_blocks" if qtype == QT.Q4_K and config.mma_q4k_blocks else "")
+    blocks = config.mma_q4k_blocks if qtype == QT.Q4_K else 0
+    name = f"matvec_mma_{STREAM_VARIANTS[qtype][0]}" + ("", "_blocks", "_blocks2")[blocks]
     return name, p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)

@@ -45,8 +45,9 @@ KERNELS = {
                                              "mma_close"], ["w", "x"], ["y"])
        for v in STREAM_FORMATS},
     # the same for Q4_K a whole block a step, each lane on its own two groups (KernelConfig.mma_q4k_blocks)
-    "matvec_mma_q4_k_blocks": ("matvec_stream", ["x_plain", "mma_q4_k_blocks", "mma_prologue", "mma_q4_k_block_loop",
-                                                 "mma_close"], ["w", "x"], ["y"]),
+    **{f"matvec_mma_q4_k_blocks{u}": ("matvec_stream", ["x_plain", "mma_q4_k_blocks", *(["mma_unroll_2"] if u else []),
+                                                        "mma_prologue", "mma_q4_k_block_loop", "mma_close"], ["w", "x"], ["y"])
+       for u in ("", "2")},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
