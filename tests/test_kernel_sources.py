@@ -202,10 +202,11 @@ def test_batched_stream_rows_per_pass():
 
 def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
-    of K fit one part up to K = 6,656 (26 warps of 4 units; 16 of 4 at 4,096), the FFN down
-    product's 19,968 takes two parts of 156 units (26 warps); threadgroup memory, threads and
-    registers fit a
-    multiprocessor (the fewest parts that fit: mma_parts = 0). With the default mma_parts (6),
+    of K fit one part up to K = 6,656, the FFN down product's 19,968 takes two parts; threadgroup
+    memory, threads and registers fit a multiprocessor (the fewest parts that fit: mma_parts = 0).
+    The whole threadgroup on one tile splits K with the fewest idle warps within the registers:
+    Q6_K (64 a thread: 32 warps) 64 / 26 / 26 units over 32 / 26 / 26 warps; Q4_K's whole blocks
+    (96 a thread: 21 warps) 16 / 26 / 39 blocks over 16 / 13 / 13. With the default mma_parts (6),
     19,968 takes six parts of 52 units, 4,096 eight of 8 (no count from 6 up splits 6,656's 26
     blocks into whole blocks, so it keeps one). Metal's plans keep x_shared, and so does
     stream_mma=0 on CUDA."""
@@ -214,20 +215,22 @@ def test_tensor_core_plans_fit_the_hardware():
     whole = KernelConfig(mma_tile_warps=32, mma_parts=0)     # the whole threadgroup on one tile
     for k, parts in ((19968, 6), (4096, 8), (6656, 1)):
         assert plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig()).parts == parts
-    for k, warps, parts in ((4096, 16, 1), (6656, 26, 1), (19968, 26, 2)):
-        for b in (2, 3, 4):
-            p = plan.mma_plan(QT.Q4_K, k, 6656, b, h200, whole)
-            assert p.tile_warps == p.warps
-            assert (p.warps, p.parts) == (warps, parts), (k, b, p)
-            assert p.memory == plan.MMA_UNIT_BYTES * k // 64 // parts + 32
-            per_sm = -(-p.groups * p.parts // h200.cores)
-            assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
-            assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[QT.Q4_K] <= plan.GROUP_REGISTERS
-            name, memory, launch = plan.mma_launch(QT.Q6_K, k, 6656, h200, whole, b, 2 * k)
-            assert name == "matvec_mma_q6_k" and memory == p.memory
-            assert ("XS", 2 * k) in launch["template"]
-            assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
-            assert launch["grid"][1] == parts
+    for qtype, expect in ((QT.Q4_K, ((4096, 16, 1), (6656, 13, 1), (19968, 13, 2))),
+                          (QT.Q6_K, ((4096, 32, 1), (6656, 26, 1), (19968, 26, 2)))):
+        for k, warps, parts in expect:
+            for b in (2, 3, 4):
+                p = plan.mma_plan(qtype, k, 6656, b, h200, whole)
+                assert p.tile_warps == p.warps
+                assert (p.warps, p.parts) == (warps, parts), (qtype, k, b, p)
+                assert p.memory == plan.MMA_UNIT_BYTES[qtype] * k // 64 // parts + 32
+                per_sm = -(-p.groups * p.parts // h200.cores)
+                assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
+                assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[qtype] <= plan.GROUP_REGISTERS
+                name, memory, launch = plan.mma_launch(qtype, k, 6656, h200, whole, b, 2 * k)
+                assert name == f"matvec_mma_{qtype.name.lower()}" and memory == p.memory
+                assert ("XS", 2 * k) in launch["template"]
+                assert launch["output_shapes"] == [(b, 6656) if parts == 1 else (parts, b, 6656)]
+                assert launch["grid"][1] == parts
     assert plan.mma_plan(QT.Q5_K, 6656, 6656, 2, h200, KernelConfig()) is None
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 5, h200, KernelConfig()) is None
     assert Kernels(h200, KernelConfig(mma_pair_min_rows=0))._takes_mma(QT.Q4_K, 6656, 6656, 2)  # from 2 rows on
@@ -244,8 +247,9 @@ def test_tensor_core_plans_fit_the_hardware():
     assert pair._takes_mma(QT.Q4_K, 6656, 39936, 2) and pair._takes_mma(QT.Q4_K, 6656, 16384, 2)
     assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4)
     # asked-for warps, capped by the registers a multiprocessor holds
-    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 13
-    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 26
+    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 13
+    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 26
+    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 13   # 21 fit
     for qtype, regs in plan.MMA_REGISTERS.items():
         for tile_warps in (0, 1, 32):
             p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps))
@@ -275,7 +279,7 @@ def test_tensor_core_knobs_route_the_products():
     # 312 (19,968) in 1, 2, 3 or 6
     for k, parts, want in ((6656, 2, 2), (19968, 3, 3), (19968, 4, 6), (19968, 1, 2)):
         p = plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig(mma_parts=parts))
-        assert p.parts == want and p.memory == plan.MMA_UNIT_BYTES * k // 64 // want + 32, (k, parts, p)
+        assert p.parts == want and p.memory == plan.MMA_UNIT_BYTES[QT.Q4_K] * k // 64 // want + 32, (k, parts, p)
     # no count from 3 to 8 splits 6,656's 26 blocks evenly in whole blocks: the fewest that fit (1)
     assert plan.mma_plan(QT.Q4_K, 6656, 39936, 4, h200, KernelConfig(mma_parts=3)).parts == 1
 
@@ -318,15 +322,18 @@ def test_tensor_core_tile_split_fits_and_balances(qtype, n, k):
     assert p.memory + plan.MMA_WARP_BYTES * p.warps <= h200.group_memory
     tiles, units, groups = -(-n // 16), k // 64 // p.parts, h200.cores // p.parts
 
+    granule = 4 if qtype == QT.Q4_K else 1   # Q4_K's warps take whole blocks
+
     def busiest(nw, kw):   # units of K the busiest warp works through, a round's barrier as 2
-        return -(-tiles // (groups * (nw // kw))) * (-(-units // kw) + (2 if kw > 1 else 0))
+        return -(-tiles // (groups * (nw // kw))) * (granule * -(-units // (granule * kw)) + (2 if kw > 1 else 0))
     assert p.groups <= groups and p.groups * (p.warps // p.tile_warps) >= tiles or p.groups == groups
     best = busiest(p.warps, p.tile_warps)
-    # split forms carry the register margin (their registers were not read by ncu) and their
+    # Q6_K's split forms carry the register margin (their registers were not read by ncu) and their
     # fragments and buffers share the multiprocessor's memory
-    room = min(limit, plan.GROUP_REGISTERS // (32 * (plan.MMA_REGISTERS[qtype] + plan.MMA_SPLIT_MARGIN)),
+    room = min(limit, plan.GROUP_REGISTERS // (32 * (plan.MMA_REGISTERS[qtype] + plan.MMA_SPLIT_MARGIN[qtype])),
                (h200.group_memory - p.memory) // plan.MMA_WARP_BYTES)
-    assert all(best <= busiest(nw, kw) for kw in range(1, room + 1) for nw in range(kw, room + 1, kw))
+    assert all(best <= busiest(nw, kw) for kw in range(1, min(room, units // granule) + 1)
+               for nw in range(kw, room + 1, kw))
     whole = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_tile_warps=32))
     assert best <= busiest(whole.warps, whole.warps)
 

@@ -143,23 +143,20 @@ def stream_launch(qtype: QT, K: int, N: int, act: str, up_offset: int, device: D
 # The tensor-core form (matvec_stream.inc, mma_*): x's fragments, 1,056 bytes a 64-value unit of K
 # (1,024 of fragments, 32 of group sums), in dynamic threadgroup memory; red[2][NW][128] and
 # tmax[NW][4] static, per warp.
-MMA_UNIT_BYTES = 1056
-MMA_BLOCK_UNIT_BYTES = 32   # the block form's min fragments: 128 bytes a block
+MMA_UNIT_BYTES = {QT.Q4_K: 1088, QT.Q6_K: 1056}   # Q4_K: and 32 of its mins' fragments (128 a block)
 MMA_WARP_BYTES = 2 * 128 * 4 + 16
 MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
 # Warps a threadgroup at most: 26 against 13 took gate|up from 0.159 to 0.116 ms at B = 4, the
 # LM head's rows and FFN down (Q6_K) by 16-19 % (H200, 4509bef, ledger): more loads in flight.
 MMA_MAX_WARPS = 32
-# Registers a thread by type, MLX's NVRTC builds on the H200 (ncu, 4509bef: 48-78, the largest of
-# each type's builds). A threadgroup's warps are capped so that they fit GROUP_REGISTERS (MLX
-# launches without launch bounds).
-MMA_REGISTERS = {QT.Q4_K: 78, QT.Q6_K: 64}
-# The block form (KernelConfig.mma_q4k_blocks): nvcc 13.0 gives it 72-86 (2026-12-04, local); NVRTC's
-# builds of the other forms took up to 8 more than nvcc's, so 96 until ncu reads it.
-MMA_BLOCK_REGISTERS = {1: 96, 2: 106}   # mma_q4k_blocks=2: its loop unrolled by two (nvcc: 84-106)
-# The same forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
-# them up to 10 more registers (Q6_K, KW = 1: 64 against 54), so their plans keep this margin.
-MMA_SPLIT_MARGIN = 12
+# Registers a thread by type, MLX's NVRTC builds on the H200: Q6_K 48-64 (ncu, 4509bef); Q4_K's block
+# loop 86 at gate|up (ncu, 06939ea), nvcc 13.0 72-86 for all its forms, split ones included, so
+# Q4_K keeps no split margin and its figure 10 over what was read. A threadgroup's warps are
+# capped so that they fit GROUP_REGISTERS (MLX launches without launch bounds).
+MMA_REGISTERS = {QT.Q4_K: 96, QT.Q6_K: 64}
+# Q6_K's forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
+# them up to 10 more registers (KW = 1: 64 against 54), so their plans keep this margin.
+MMA_SPLIT_MARGIN = {QT.Q4_K: 0, QT.Q6_K: 12}
 SM_THREADS = 2048
 # Parts of K (grid y) at most; each adds B x N partial sums for one more node to add. With
 # KernelConfig.mma_parts = 6 this bound keeps K = 6,656 (26 blocks: 1, 2, 13 or 26 parts) whole:
@@ -180,6 +177,9 @@ def _mma_warps(units: int, limit: int) -> int:
     return min(range(1, min(units, limit) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
 
 
+# The units of K a warp takes at a time: Q4_K's loop takes whole blocks (mma_q4_k_block_loop).
+MMA_GRANULE = {QT.Q4_K: 4, QT.Q6_K: 1}
+
 # A round's barrier and partial sums (KW > 1), in units of one warp's work on one 64-value unit of
 # a tile (a planning value, not measured).
 MMA_ROUND_UNITS = 2
@@ -191,7 +191,7 @@ def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int =
     when given) of them on each tile. Chosen to make the busiest warp's work the least, counted
     in units of K: rounds x (units a warp of a tile + MMA_ROUND_UNITS where KW > 1), where a
     round gives each of `groups` threadgroups NW / KW tiles, and a warp's units come `granule`
-    at a time (4: the block form's whole blocks); on a tie, the most threadgroups busy, then the
+    at a time (MMA_GRANULE); on a tie, the most threadgroups busy, then the
     most warps (more loads in flight)."""
     def cost(nw: int, kw: int) -> tuple:
         tpg = nw // kw
@@ -213,10 +213,9 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    blocks = config.mma_q4k_blocks if qtype == QT.Q4_K else 0   # matvec_mma_q4_k_blocks: whole blocks a step
-    granule = 4 if blocks else 1
-    whole_regs = MMA_BLOCK_REGISTERS[blocks] if blocks else MMA_REGISTERS[qtype]
-    split_regs = whole_regs + (0 if blocks else MMA_SPLIT_MARGIN)   # nvcc's 72-86 cover the block form's splits
+    granule = MMA_GRANULE[qtype]
+    whole_regs = MMA_REGISTERS[qtype]
+    split_regs = whole_regs + MMA_SPLIT_MARGIN[qtype]
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
     first = max(1, config.mma_parts)
@@ -224,7 +223,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
         if units % parts or (units // parts) % 4:
             continue
         upp = units // parts
-        memory = (MMA_UNIT_BYTES + (MMA_BLOCK_UNIT_BYTES if blocks else 0)) * upp + 32
+        memory = MMA_UNIT_BYTES[qtype] * upp + 32
         room = min(limit, (device.group_memory - memory) // MMA_WARP_BYTES,   # buffers, registers
                    GROUP_REGISTERS // (32 * split_regs))
         if config.mma_tile_warps >= min(limit, upp // granule):   # the whole threadgroup on one tile
@@ -259,9 +258,7 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    blocks = config.mma_q4k_blocks if qtype == QT.Q4_K else 0
-    name = f"matvec_mma_{STREAM_VARIANTS[qtype][0]}" + ("", "_blocks", "_blocks2")[blocks]
-    return name, p.memory, dict(
+    return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 

@@ -41,13 +41,8 @@ KERNELS = {
     # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
     # mma.m16n8k16, x's fragments in threadgroup memory (the FFN down input is made before it:
     # launch.Kernels.matvec_silu)
-    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", "mma_tiles", f"mma_{v}_unit",
-                                             "mma_close"], ["w", "x"], ["y"])
-       for v in STREAM_FORMATS},
-    # the same for Q4_K a whole block a step, each lane on its own two groups (KernelConfig.mma_q4k_blocks)
-    **{f"matvec_mma_q4_k_blocks{u}": ("matvec_stream", ["x_plain", "mma_q4_k_blocks", *(["mma_unroll_2"] if u else []),
-                                                        "mma_prologue", "mma_q4_k_block_loop", "mma_close"], ["w", "x"], ["y"])
-       for u in ("", "2")},
+    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", *loop, "mma_close"], ["w", "x"], ["y"])
+       for v, loop in (("q4_k", ["mma_q4_k_block_loop"]), ("q6_k", ["mma_tiles", "mma_q6_k_unit"]))},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)

@@ -401,21 +401,6 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
                  kernels=kernels, warps=p.warps, tile_warps=p.tile_warps)
 
 
-@pytest.mark.parametrize("shape", [(39936, 6656), (6656, 19968), (8704, 6656), (8448, 6656), (6656, 4096), (37, 768)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("batch", [2, 3, 4])
-def test_tensor_core_q4k_blocks(shape, batch):
-    """Q4_K's block form (mma_q4k_blocks=1) on the model's shapes, on its own plans: gate|up (a warp
-    a tile), FFN down's Q4_K half in six parts, Q|K|gate(|V) (tiles split between warps), o_proj in
-    eight parts, a few rows."""
-    n, k = shape
-    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_pair_min_rows=0, mma_min_rows=0, mma_q4k_blocks=1))
-    assert kernels._takes_mma(QT.Q4_K, k, n, batch)
-    assert plan.mma_launch(QT.Q4_K, k, n, kernels.device, kernels.config, batch)[0] == "matvec_mma_q4_k_blocks"
-    check_matvec("matvec_mma_q4k_blocks", QT.Q4_K, n, k, batch, np.random.default_rng([SEED, n, k, batch, 33]),
-                 kernels=kernels, stream_mma=2, rows_per_launch=plan.stream_batch_rows(k, KERNELS.device, KERNELS.config))
-
-
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
