@@ -111,13 +111,20 @@ def stops_of(body: dict) -> list[str]:
     return stops
 
 
+# Blobs a sender put (PUT /kv/blobs) wait in <slot-save-path>/.incoming until a pack takes them
+# (POST /kv/packs copies them in and removes them there); one no pack took within this many seconds
+# of its arrival is removed (a sender that stopped between its blobs and its manifest).
+INCOMING_TTL_S = 3600.0
+
+
 class App:
     """The HTTP side: validation, the request's event queue, the OpenAI response shapes."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None, model_id: dict,
-                 slot_save_path: Path | None):
+                 slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
+        self.incoming_ttl_s = incoming_ttl_s
 
     @property
     def blob_max_bytes(self) -> int:
@@ -234,6 +241,19 @@ class App:
         return {f.name.removesuffix(".safetensors") for f in root.glob("*/blobs/*.safetensors")} | \
             {f.name.removesuffix(".safetensors") for f in root.glob(".incoming/blobs/*.safetensors")}
 
+    def _prune_incoming(self) -> None:
+        """Remove the blobs in .incoming that no pack took within incoming_ttl_s of their arrival
+        (0: keep them), and any temporary file a write cut short left there as long."""
+        if not self.incoming_ttl_s:
+            return
+        cutoff = time.time() - self.incoming_ttl_s
+        for f in (self.slot_save_path / ".incoming" / "blobs").glob("*"):
+            try:
+                if f.stat().st_mtime < cutoff:
+                    f.unlink()
+            except OSError:   # gone meanwhile, or not ours to remove: the next put tries again
+                pass
+
     async def kv_blobs(self, request):
         from starlette.responses import JSONResponse
 
@@ -261,6 +281,7 @@ class App:
             return self.error("the blob's bytes do not hash to its name", 400, "name")
         incoming = self.slot_save_path / ".incoming" / "blobs"
         try:
+            self._prune_incoming()
             incoming.mkdir(parents=True, exist_ok=True)
             _write_atomic(incoming / f"{name}.safetensors", data)   # whole or not at all
         except OSError as exc:
@@ -291,14 +312,18 @@ class App:
             (out / "blobs").mkdir(parents=True)
             (out / "manifest.json").write_bytes(data)
             pack = kvpack.read_manifest(out)
-            sources = [self.slot_save_path / ".incoming"] + [p for p in self.slot_save_path.iterdir()
-                                                            if p.is_dir() and p != out and not p.name.startswith(".")]
+            incoming = self.slot_save_path / ".incoming"
+            sources = [incoming] + [p for p in self.slot_save_path.iterdir()
+                                    if p.is_dir() and p != out and not p.name.startswith(".")]
+            taken = []   # blobs copied out of .incoming, removed there once the pack is whole
             for blob in pack.blob_names():
                 src = next((d / "blobs" / f"{blob}.safetensors" for d in sources
                             if (d / "blobs" / f"{blob}.safetensors").exists()), None)
                 if src is None:
                     raise kvpack.PackError(f"blob {blob[:12]}... was neither sent nor held")
                 shutil.copyfile(src, out / "blobs" / f"{blob}.safetensors")
+                if src.parent.parent == incoming:
+                    taken.append(src)
             kvpack.check_for_model(pack, self.scheduler.model.geometry, self.model_id["fingerprint"])
             kvpack.verify(out)
         except MuseError as exc:
@@ -307,6 +332,9 @@ class App:
         except OSError as exc:
             shutil.rmtree(out, ignore_errors=True)
             return self.disk_error(exc, f"the pack {name!r} could not be written")
+        for src in taken:   # the pack holds them now (and /kv/blobs still lists them, from it)
+            src.unlink(missing_ok=True)
+        self._prune_incoming()
         return JSONResponse({"filename": name, "n_tokens": pack.manifest["offset"]})
 
     def _handoff(self, index: int, name: str, to: str, key: str | None, to_slot: int) -> dict:
@@ -574,7 +602,8 @@ def build(args) -> tuple[App, Scheduler]:
     save_path = Path(args.slot_save_path) if args.slot_save_path else None
     if save_path is not None and not save_path.is_dir():
         raise MuseError(f"--slot-save-path {save_path}: not a folder")
-    app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path)
+    ttl = getattr(args, "kv_incoming_ttl", INCOMING_TTL_S)
+    app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path, ttl)
     return app, scheduler
 
 
@@ -589,6 +618,9 @@ def _command(argv=None) -> int:
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
     p.add_argument("--prompt-cache", nargs="?", const="", metavar="DIR", help="reuse stored prompt prefixes (kvpack)")
     p.add_argument("--slot-save-path", metavar="DIR", help="folder for POST /slots/{id}?action=save|restore")
+    p.add_argument("--kv-incoming-ttl", type=float, default=INCOMING_TTL_S, metavar="SECONDS",
+                   help="remove a handoff's blob that no pack took within this many seconds of its arrival "
+                        f"(0: keep; default {INCOMING_TTL_S:.0f})")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up (a short prefill and a decode step over every slot count) before listening")
@@ -601,6 +633,8 @@ def _command(argv=None) -> int:
         raise MuseError(f"--port must be 0..65535, got {args.port}")
     if args.queue < 0:
         raise MuseError(f"--queue must be >= 0, got {args.queue}")
+    if not (args.kv_incoming_ttl >= 0 and math.isfinite(args.kv_incoming_ttl)):
+        raise MuseError(f"--kv-incoming-ttl must be a finite number of seconds >= 0, got {args.kv_incoming_ttl}")
     app, scheduler = build(args)
     import uvicorn
 

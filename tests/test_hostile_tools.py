@@ -560,3 +560,25 @@ def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, capsys
     assert cell["slots"] == 2 and len(cell["runs"]) == 2
     for run in cell["runs"]:
         assert all(t is not None and t > 0 for t in run["ttft_s"]) and all(1 <= g <= 5 for g in run["generated"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--parallel", "5"], "--parallel must be 1..4, got 5"),
+    (["--parallel", "0"], "--parallel must be 1..4, got 0"),
+    (["--ctx-size", "0"], "--ctx-size must be >= 1"),
+    (["--port", "70000"], "--port must be 0..65535"),
+    (["--queue", "-1"], "--queue must be >= 0"),
+    (["--kv-incoming-ttl", "-1"], "--kv-incoming-ttl must be a finite number of seconds >= 0"),
+    (["--kv-incoming-ttl", "nan"], "--kv-incoming-ttl must be a finite number of seconds >= 0"),
+    (["--kv-incoming-ttl", "inf"], "--kv-incoming-ttl must be a finite number of seconds >= 0"),
+    (["--kv-incoming-ttl", "soon"], "--kv-incoming-ttl"),
+    (["--parallel", "two"], "--parallel"),
+    (["--slot-save-path", "/nonexistent/saves", "--reference"], "--slot-save-path /nonexistent/saves: not a folder"),
+])
+def test_server_flags(argv, says, capsys):
+    """The server's flags: each bad value one line naming it, exit 2, before anything listens
+    (the folder check after the model's load: the embedded default model, the reference backend)."""
+    from muse_mlx import server
+
+    line = refused(server.main, argv, capsys)
+    assert says in line, line

@@ -615,3 +615,43 @@ def test_a_body_past_its_limit_is_413_before_it_is_held(in_process):
     assert r.status_code == 413 and "1,000,000,000,000 bytes" in r.json()["error"]["message"]
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_handoff_blobs_leave_incoming_once_packed_and_unclaimed_ones_expire(in_process):
+    """The receiving side of a handoff: the blobs a sender PUTs wait in .incoming; POST /kv/packs
+    copies them into the pack, which verifies, and removes them from .incoming (GET /kv/blobs still
+    lists them, from the pack). A blob no pack took is removed at the next put once it is older than
+    the server's --kv-incoming-ttl (a fresh one stays; 0 keeps them all). Before: every blob
+    received stayed in .incoming for good, a second copy of each pack handed over."""
+
+    from muse_mlx import kvpack
+
+    app, client, saves = in_process
+    r = client.post("/v1/completions", json={"prompt": prompt_ids(40, 3), "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    busy = [s for s in client.get("/slots").json() if s["n_past"] > 0]
+    r = client.post(f"/slots/{busy[0]['id']}?action=save", json={"filename": "src"})
+    assert r.status_code == 200 and r.json()["n_saved"] > 0, r.text
+    sent = sorted((saves / "src" / "blobs").glob("*.safetensors"))
+    assert sent
+    incoming = saves / ".incoming" / "blobs"
+    for blob in sent:   # as a sender whose receiver held none of them
+        assert client.put(f"/kv/blobs/{blob.stem}", content=blob.read_bytes()).status_code == 200
+    assert sorted(f.name for f in incoming.iterdir()) == [b.name for b in sent]
+    r = client.post("/kv/packs/copy", content=(saves / "src" / "manifest.json").read_bytes())
+    assert r.status_code == 200, r.text
+    kvpack.verify(saves / "copy")
+    assert not list(incoming.iterdir())
+    assert set(client.get("/kv/blobs").json()["blobs"]) >= {b.stem for b in sent}
+    # a blob no pack takes: removed at a later put once older than the time to live
+    stale, fresh = b"sent, then its sender stopped", b"sent just now"
+    for data in (stale, fresh):
+        assert client.put(f"/kv/blobs/{hashlib.sha256(data).hexdigest()}", content=data).status_code == 200
+    old = time.time() - app.incoming_ttl_s - 60
+    os.utime(incoming / f"{hashlib.sha256(stale).hexdigest()}.safetensors", (old, old))
+    app.incoming_ttl_s = 0   # 0: kept
+    assert client.put(f"/kv/blobs/{hashlib.sha256(fresh).hexdigest()}", content=fresh).status_code == 200
+    assert len(list(incoming.iterdir())) == 2
+    app.incoming_ttl_s = 3600.0
+    assert client.put(f"/kv/blobs/{hashlib.sha256(fresh).hexdigest()}", content=fresh).status_code == 200
+    assert [f.name for f in incoming.iterdir()] == [f"{hashlib.sha256(fresh).hexdigest()}.safetensors"]
