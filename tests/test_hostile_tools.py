@@ -582,3 +582,27 @@ def test_server_flags(argv, says, capsys):
 
     line = refused(server.main, argv, capsys)
     assert says in line, line
+
+
+# ---- load_test: its flags, refused before a server starts -------------------------------------
+@pytest.mark.parametrize("argv, says", [
+    (["--parallel", "5"], "--parallel must be 1..4"),
+    (["--parallel", "0"], "--parallel must be >= 1"),
+    (["--requests", "0"], "--requests must be >= 1"),
+    (["--concurrency", "-1"], "--concurrency must be >= 1"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--prompt-len", "0:5"], "--prompt-len: expected LO:HI with 1 <= LO <= HI"),
+    (["--prompt-len", "9:3"], "--prompt-len: expected LO:HI"),
+    (["--prompt-len", "a:b"], "--prompt-len: expected LO:HI (integers)"),
+    (["--max-tokens=-1:3"], "--max-tokens: expected LO:HI with 0 <= LO <= HI"),
+    (["--prompt-len", "1:99999999"], "does not fit a slot of"),
+    (["--rss-slack", "nan"], "--rss-slack must be >= 0"),
+    (["--receipt", PROC_MISSING], "does not exist"),
+    (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+])
+def test_load_test_flags(argv, says, capsys):
+    """tools/load_test: a bad flag is one line naming it, exit 2, and no server is started."""
+    from muse_mlx.tools import load_test
+
+    line = refused(load_test.main, argv, capsys)
+    assert says in line, line

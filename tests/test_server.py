@@ -655,3 +655,39 @@ def test_handoff_blobs_leave_incoming_once_packed_and_unclaimed_ones_expire(in_p
     app.incoming_ttl_s = 3600.0
     assert client.put(f"/kv/blobs/{hashlib.sha256(fresh).hexdigest()}", content=fresh).status_code == 200
     assert [f.name for f in incoming.iterdir()] == [f"{hashlib.sha256(fresh).hexdigest()}.safetensors"]
+
+
+def test_load_test_tool(f32_fixture, tmp_path, solo):
+    """tools/load_test (issue 16 item 4's load test, run on the H200 with full numbers), small, on the
+    fixture: the command passes, and every answer it recorded, alone and under load, is this test's
+    own in-process solo run of the job (greedy and sampled with the job's seed); a request the tool
+    is given a different answer for is reported as a difference."""
+    import json
+
+    from muse_mlx.artifact import open_artifact
+    from muse_mlx.tools import load_test
+
+    receipt = tmp_path / "load.json"
+    rc = load_test.main(["--model", str(f32_fixture), "--parallel", "2", "--requests", "8", "--concurrency", "4",
+                         "--prompt-len", "3:40", "--max-tokens", "0:12", "--ctx-size", str(CTX),
+                         "--server-arg=--reference", "--receipt", str(receipt)])
+    r = json.loads(receipt.read_text())
+    assert rc == 0 and r["verdict"] == "passes", r["metrics"]
+    jobs = load_test.make_jobs(8, open_artifact(f32_fixture).geometry.n_vocab, (3, 40), (0, 12), 42)
+    assert [len(j.prompt) for j in jobs] == [j["prompt_tokens"] for j in r["inputs"]["jobs"]]
+    assert any(j.sampled for j in jobs) and any(j.stream for j in jobs) and len(r["samples"]["rounds"]) == 2
+    for answers in (r["samples"]["solo"], *r["samples"]["rounds"]):
+        for job, got in zip(jobs, answers, strict=True):
+            settings = SamplerSettings(temp=0.8, top_k=40, top_p=0.95, seed=job.seed) if job.sampled \
+                else SamplerSettings()
+            assert got["error"] is None and got["text"] == solo(job.prompt, job.max_tokens, settings), (job, got)
+    assert r["metrics"]["server_alive_after"] and r["metrics"]["rss_growth_after_warm_up_bytes"] is not None
+    # the checker itself: a changed text, finish reason or count, and an error, are each reported
+    outs = [load_test.Outcome(**o) for o in r["samples"]["solo"]]
+    bad = [load_test.Outcome(**o) for o in r["samples"]["solo"]]
+    bad[1].text += "x"
+    bad[2].finish_reason = "other"
+    bad[3].completion_tokens = (bad[3].completion_tokens or 0) + 1
+    bad[4].error = "APIError: boom"
+    assert [(d["job"], d["what"]) for d in load_test.differences(outs, bad)] == \
+        [(1, "text"), (2, "finish_reason"), (3, "completion_tokens"), (4, "error")]

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,53 +29,12 @@ from .. import cli
 from ..cli import Parser
 from ..errors import MuseError
 from ..geometry import Geometry
+from .live_server import Server
 
 
 def formula_bytes(g: Geometry, positions: int) -> int:
     """A pack's K/V payload for `positions` held: every NoPE layer's rows, each ring's last window."""
     return g.n_full * positions * g.kv_row_bytes + g.n_swa * min(positions, g.sliding_window) * g.kv_row_bytes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m muse_mlx.server` in a subprocess on a free port, its output in `log`."""
-
-    def __init__(self, model: str, args: list[str], log: Path, start_timeout: float):
-        import httpx
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "muse_mlx.server", "--model", model, "--port",
-                                          str(self.port), "--parallel", "1", *args],
-                                         stdout=out, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise MuseError(f"a server exited with {self.proc.returncode} before it was ready: "
-                                f"{log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise MuseError(f"a server was not ready after {start_timeout:.0f} s (its log: {log})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def _post(url: str, path: str, body: dict, key: str | None = None, timeout: float = 3600) -> tuple[dict, float]:
