@@ -175,7 +175,9 @@ class MemorySampler:
 
 
 def run(model: str, jobs: list[Job], parallel: int, concurrency: int, rounds: int, server_args: list[str],
-        work: Path, start_timeout: float, request_timeout: float) -> dict:
+        work: Path, start_timeout: float, request_timeout: float, report=lambda phase, outcomes, seconds: None) -> dict:
+    """The solo runs, then the rounds; `report` hears each phase as it ends ("solo" or the round's
+    number, its outcomes, its seconds)."""
     import openai
 
     key = secrets.token_hex(8)
@@ -188,6 +190,7 @@ def run(model: str, jobs: list[Job], parallel: int, concurrency: int, rounds: in
             t = time.perf_counter()
             solo = [send(client, job) for job in jobs]
             solo_s = time.perf_counter() - t
+            report("solo", solo, solo_s)
             loaded, walls, rss_end = [], [], []
             for _ in range(rounds):
                 t = time.perf_counter()
@@ -195,6 +198,7 @@ def run(model: str, jobs: list[Job], parallel: int, concurrency: int, rounds: in
                     loaded.append(list(pool.map(lambda j: send(client, j), jobs)))
                 walls.append(time.perf_counter() - t)
                 rss_end.append(memory.read())
+                report(len(walls), loaded[-1], walls[-1])
         finally:
             memory.stop()
         alive = server.proc.poll() is None
@@ -272,22 +276,28 @@ def _command(argv=None) -> int:
         raise MuseError(f"--prompt-len up to {prompt_len[1]} tokens does not fit a slot of {context} positions")
     jobs = make_jobs(args.requests, g.n_vocab, prompt_len, max_tokens, args.seed)
     server_args = (["--ctx-size", str(args.ctx_size)] if args.ctx_size else []) + args.server_arg
+    label = " (synthetic weights)" if args.synthetic else ""
+    solo = []
+
+    def report(phase, outcomes, seconds):
+        failed = sum(o.error is not None for o in outcomes)
+        if phase == "solo":
+            solo[:] = outcomes
+            print(f"{args.requests} requests alone in {seconds:.1f} s, {failed} failed", flush=True)
+            return
+        tokens = sum(o.completion_tokens or 0 for o in outcomes)
+        latency = np.median([o.latency_s for o in outcomes])
+        print(f"round {phase}: {args.requests} requests, {args.concurrency} at a time on {args.parallel} slot(s), "
+              f"{seconds:.1f} s, {failed} failed, {len(differences(solo, outcomes))} unlike their solo runs, "
+              f"{tokens / seconds:.1f} tok/s aggregate, latency median {latency:.2f} s{label}", flush=True)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="muse-load-test-"))
     try:
         result = run(model, jobs, args.parallel, args.concurrency, args.rounds, server_args, work,
-                     args.start_timeout, args.request_timeout)
+                     args.start_timeout, args.request_timeout, report)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     metrics, passes = summarize(jobs, result, args.rss_slack)
-    label = " (synthetic weights)" if args.synthetic else ""
-    print(f"{args.requests} requests alone in {metrics['solo_s']:.1f} s, {metrics['solo_errors']} failed", flush=True)
-    for i, r in enumerate(metrics["rounds"], 1):
-        lat = r["latency_s"] or {}
-        print(f"round {i}: {args.requests} requests, {args.concurrency} at a time on {args.parallel} slot(s), "
-              f"{r['wall_s']:.1f} s, {r['errors']} failed, {len(r['differences'])} unlike their solo runs, "
-              f"{r['tok_s']:.1f} tok/s aggregate, latency p50 {lat.get('p50', float('nan')):.2f} s "
-              f"max {lat.get('max', float('nan')):.2f} s{label}", flush=True)
     growth = metrics["rss_growth_after_warm_up_bytes"]
     if growth is not None:
         print(f"server memory after the warm-up round {metrics['rss_end_bytes'][0] / 2**20:,.0f} MiB, "

@@ -12,6 +12,10 @@
 #   live     tools/live_handoff.py (issue 16 item 6): the same two cells between two live servers
 #            on the bench GGUF over HTTP, the deep one at 130,815 tokens and the delta one at
 #            32,768 of 65,536 ($OUT/live-{deep,delta}.json / .log; not in the default PARTS)
+#   load     tools/load_test.py (issue 16 item 4): one server with 4 slots on the bench GGUF, 200
+#            requests alone and then LOAD_ROUNDS (default 2) rounds 8 at a time through the openai
+#            client, every answer against its solo run ($OUT/load-test.json / .log; not in the
+#            default PARTS; needs the client's wheels: stage_server_stack.sh --client)
 # Carry .device/revision.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,5 +50,17 @@ if [[ " $PARTS " == *" live "* ]]; then
   timeout ${LIVE_TIMEOUT:-280} python3 -m muse_mlx.tools.live_handoff --model $G --synthetic --depth 65536 --held 32768 \
     --workdir /tmp/live-delta --receipt "$OUT/live-delta.json" > "$OUT/live-delta.log" 2>&1
   echo "live delta rc $?"; tail -2 "$OUT/live-delta.log"; rm -rf /tmp/live-delta
+fi
+if [[ " $PARTS " == *" load "* ]]; then
+  [ -f $G ] || { echo "no $G: run a call that writes it first"; exit 1; }
+  if [ -d .device/srv/wheels ] && [ ! -d /tmp/client-site ]; then   # the openai client's cp312 wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/client-site .device/srv/wheels/*.whl
+  fi
+  export PYTHONPATH="$PWD/.device/srv:/tmp/client-site:$PYTHONPATH"
+  python3 -c "import uvicorn, starlette, sse_starlette, openai" 2>/dev/null \
+    || { echo "load: no server stack or openai client here: run scripts/device/stage_server_stack.sh --client and carry .device/srv"; exit 2; }
+  timeout ${LOAD_TIMEOUT:-400} python3 -m muse_mlx.tools.load_test --model $G --synthetic --parallel 4 --requests 200 \
+    --concurrency 8 --rounds ${LOAD_ROUNDS:-2} --receipt "$OUT/load-test.json" > "$OUT/load-test.log" 2>&1
+  echo "load rc $?"; tail -6 "$OUT/load-test.log"
 fi
 bash scripts/device/pack_out.sh
