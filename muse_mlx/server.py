@@ -549,7 +549,11 @@ class App:
 
 
 def _plain_name(name) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") or len(name) > 200:
+    """A pack's name as the client gave it: one path component, no leading dot, at most 200
+    characters, all printable (no NUL, which no file name holds, no other control or format
+    character, no lone surrogate from a JSON escape, which no file system encoding takes)."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") or len(name) > 200 \
+            or not name.isprintable():
         raise BadRequest("'filename' must be a plain file name", "filename")
     return name
 

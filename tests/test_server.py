@@ -6,6 +6,7 @@ and a small load test (MUSE_LOAD_REQUESTS for a larger one)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -244,6 +245,14 @@ def test_slot_save_and_restore(server, client):
     assert r.status_code == 400
     r = httpx.post(f"{server}/slots/{other}?action=restore", json={"filename": "missing"}, headers=h)
     assert r.status_code == 400 and "not a pack" in r.json()["error"]["message"]
+    # names no file can have (a NUL, a lone surrogate) or that would hide in a listing: 400 on one
+    # kept-alive connection, which still answers after each (a 500 closes it)
+    with httpx.Client(headers=h) as c:
+        for name in ["a\x00b", "\udc80", "\ud800x", "a\nb", "a\u200bb", "\x7f", "x" * 201]:
+            for action in ("save", "restore"):
+                r = c.post(f"{server}/slots/{other}?action={action}", content=json.dumps({"filename": name}))
+                assert r.status_code == 400 and r.json()["error"]["param"] == "filename", (name, r.text)
+        assert c.get(server + "/health").status_code == 200
 
 
 def test_a_full_queue_answers_503_with_retry_after(f32_fixture):
