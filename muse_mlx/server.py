@@ -277,13 +277,18 @@ class App:
             data = await read_body(request, self.blob_max_bytes, "the blob")
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
-        if hashlib.sha256(data).hexdigest() != name:
-            return self.error("the blob's bytes do not hash to its name", 400, "name")
         incoming = self.slot_save_path / ".incoming" / "blobs"
-        try:
+
+        def store() -> bool:   # off the event loop: a blob may be hundreds of MB to hash and write
+            if hashlib.sha256(data).hexdigest() != name:
+                return False
             self._prune_incoming()
             incoming.mkdir(parents=True, exist_ok=True)
             _write_atomic(incoming / f"{name}.safetensors", data)   # whole or not at all
+            return True
+        try:
+            if not await asyncio.get_running_loop().run_in_executor(None, store):
+                return self.error("the blob's bytes do not hash to its name", 400, "name")
         except OSError as exc:
             return self.disk_error(exc, f"the blob {name[:12]}... could not be stored")
         return JSONResponse({"stored": name, "bytes": len(data)})
@@ -309,33 +314,54 @@ class App:
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         try:
-            (out / "blobs").mkdir(parents=True)
-            (out / "manifest.json").write_bytes(data)
-            pack = kvpack.read_manifest(out)
-            incoming = self.slot_save_path / ".incoming"
-            sources = [incoming] + [p for p in self.slot_save_path.iterdir()
-                                    if p.is_dir() and p != out and not p.name.startswith(".")]
-            taken = []   # blobs copied out of .incoming, removed there once the pack is whole
-            for blob in pack.blob_names():
-                src = next((d / "blobs" / f"{blob}.safetensors" for d in sources
-                            if (d / "blobs" / f"{blob}.safetensors").exists()), None)
-                if src is None:
-                    raise kvpack.PackError(f"blob {blob[:12]}... was neither sent nor held")
-                shutil.copyfile(src, out / "blobs" / f"{blob}.safetensors")
-                if src.parent.parent == incoming:
-                    taken.append(src)
-            kvpack.check_for_model(pack, self.scheduler.model.geometry, self.model_id["fingerprint"])
-            kvpack.verify(out)
+            out.mkdir()   # the name is this request's from here on (another put of it answers 400)
+        except FileExistsError:
+            return self.error(f"a pack named {name!r} exists", 400, "filename")
+        except OSError as exc:
+            return self.disk_error(exc, f"the pack {name!r} could not be written")
+        try:   # off the event loop: the blobs' copies and the seal's hashing may take seconds
+            pack = await asyncio.get_running_loop().run_in_executor(None, self._assemble_pack, out, data)
         except MuseError as exc:
             shutil.rmtree(out, ignore_errors=True)
             return self.error(str(exc), 400, "manifest")
         except OSError as exc:
             shutil.rmtree(out, ignore_errors=True)
             return self.disk_error(exc, f"the pack {name!r} could not be written")
-        for src in taken:   # the pack holds them now (and /kv/blobs still lists them, from it)
+        return JSONResponse({"filename": name, "n_tokens": pack.manifest["offset"]})
+
+    def _assemble_pack(self, out: Path, manifest: bytes):
+        """The pack `out` from its manifest and the blobs it names, each taken from .incoming (a
+        handoff's) or from a pack held here; verified for this model, then the blobs it took from
+        .incoming removed there (the pack holds them now, and /kv/blobs still lists them)."""
+        import shutil
+
+        from . import kvpack
+
+        (out / "blobs").mkdir()
+        (out / "manifest.json").write_bytes(manifest)
+        pack = kvpack.read_manifest(out)
+        incoming = self.slot_save_path / ".incoming"
+        sources = [incoming] + [p for p in self.slot_save_path.iterdir()
+                                if p.is_dir() and p != out and not p.name.startswith(".")]
+        taken = []
+        for blob in pack.blob_names():
+            for d in sources:
+                src = d / "blobs" / f"{blob}.safetensors"
+                try:
+                    shutil.copyfile(src, out / "blobs" / f"{blob}.safetensors")
+                except FileNotFoundError:   # not there, or taken meanwhile by another pack: the next
+                    continue
+                if d == incoming:
+                    taken.append(src)
+                break
+            else:
+                raise kvpack.PackError(f"blob {blob[:12]}... was neither sent nor held")
+        kvpack.check_for_model(pack, self.scheduler.model.geometry, self.model_id["fingerprint"])
+        kvpack.verify(out)
+        for src in taken:
             src.unlink(missing_ok=True)
         self._prune_incoming()
-        return JSONResponse({"filename": name, "n_tokens": pack.manifest["offset"]})
+        return pack
 
     def _handoff(self, index: int, name: str, to: str, key: str | None, to_slot: int) -> dict:
         """Save slot `index` as a pack, send the receiver the blobs it lacks and the manifest, and

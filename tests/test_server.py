@@ -666,6 +666,52 @@ def test_handoff_blobs_leave_incoming_once_packed_and_unclaimed_ones_expire(in_p
     assert [f.name for f in incoming.iterdir()] == [f"{hashlib.sha256(fresh).hexdigest()}.safetensors"]
 
 
+def test_a_pack_put_whose_name_another_took_meanwhile_is_400_and_leaves_the_other(in_process, monkeypatch):
+    """Two POST /kv/packs/{name} of one name in flight: each checks the name is free before its
+    manifest arrives, so both may pass. The one that comes second answers 400 ("exists") and leaves
+    the first's pack whole (before: its mkdir failed, it removed the first's pack as its own
+    half-written one, and answered 500). The pack is assembled off the event loop, so the server
+    answers other requests while blobs are copied and hashed."""
+    import threading
+
+    from muse_mlx import kvpack, server
+
+    app, client, saves = in_process
+    r = client.post("/v1/completions", json={"prompt": prompt_ids(40, 5), "max_tokens": 1, "temperature": 0})
+    busy = [s for s in client.get("/slots").json() if s["n_past"] > 0]
+    assert client.post(f"/slots/{busy[0]['id']}?action=save", json={"filename": "src"}).status_code == 200
+    manifest = (saves / "src" / "manifest.json").read_bytes()
+    real_read_body = server.read_body
+
+    async def first_put_wins(request, limit, what="the request's body"):   # the other put, done meanwhile
+        body = await real_read_body(request, limit, what)
+        if what == "the manifest":
+            (saves / "n").mkdir()
+            (saves / "n" / "mine").write_text("the first put's")
+        return body
+    monkeypatch.setattr(server, "read_body", first_put_wins)
+    r = client.post("/kv/packs/n", content=manifest)
+    assert r.status_code == 400 and "exists" in r.json()["error"]["message"], r.text
+    assert (saves / "n" / "mine").read_text() == "the first put's"
+    monkeypatch.undo()
+    threads = {}
+    real_verify = kvpack.verify
+
+    async def on_the_loop(request, limit, what="the request's body"):
+        threads["loop"] = threading.current_thread()
+        return await real_read_body(request, limit, what)
+
+    def verify(path):
+        threads["verify"] = threading.current_thread()
+        return real_verify(path)
+    monkeypatch.setattr(server, "read_body", on_the_loop)
+    monkeypatch.setattr(kvpack, "verify", verify)
+    r = client.post("/kv/packs/m", content=manifest)
+    assert r.status_code == 200, r.text
+    assert threads["verify"] is not threads["loop"], threads
+    assert client.get("/health").status_code == 200
+
+
 def test_load_test_tool(f32_fixture, tmp_path, solo):
     """tools/load_test (issue 16 item 4's load test, run on the H200 with full numbers), small, on the
     fixture: the command passes, and every answer it recorded, alone and under load, is this test's
