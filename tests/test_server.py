@@ -746,3 +746,36 @@ def test_load_test_tool(f32_fixture, tmp_path, solo):
     bad[4].error = "APIError: boom"
     assert [(d["job"], d["what"]) for d in load_test.differences(outs, bad)] == \
         [(1, "text"), (2, "finish_reason"), (3, "completion_tokens"), (4, "error")]
+
+
+@pytest.mark.parametrize("name", ["gqa4-hd64-nocap", "partial-rope-pattern", "mha-window1"])
+def test_load_test_tool_on_other_geometries(tmp_path, name):
+    """The load test on Q8_0 models of geometries the server was not tuned on (test_model's: other
+    layer counts, windows down to 1, head counts and dims, partial RoPE, sliding patterns, logit
+    scales, no softcap), four slots, eight requests in flight, prompts past the windows: every
+    answer, alone and under load, equals this test's in-process solo run of the job."""
+    import json
+
+    from gguf import GGMLQuantizationType as QT
+    from test_model import OTHER_GEOMETRIES
+
+    from muse_mlx.tools import load_test
+    from muse_mlx.tools.fixtures import write_fixture
+
+    g = OTHER_GEOMETRIES[name]
+    path = write_fixture(tmp_path / f"{name}.gguf", g, seed=3, weight_type=QT.Q8_0)
+    receipt = tmp_path / "load.json"
+    rc = load_test.main(["--model", str(path), "--parallel", "4", "--requests", "10", "--concurrency", "8",
+                         "--rounds", "1", "--prompt-len", "3:60", "--max-tokens", "0:24", "--seed", "7",
+                         "--server-arg=--reference", "--receipt", str(receipt)])
+    r = json.loads(receipt.read_text())
+    assert rc == 0 and r["verdict"] == "passes", r["metrics"]
+    model = load(path, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    for job, alone, loaded in zip(load_test.make_jobs(10, g.n_vocab, (3, 60), (0, 24), 7), r["samples"]["solo"],
+                                  r["samples"]["rounds"][0], strict=True):
+        settings = SamplerSettings(temp=0.8, top_k=40, top_p=0.95, seed=job.seed) if job.sampled else SamplerSettings()
+        cache = model.make_cache(len(job.prompt) + job.max_tokens + 1)
+        want = tok.decode(list(generate_tokens(model, cache, job.prompt, Sampler(settings), job.max_tokens,
+                                               tok.stop_ids)))
+        assert alone["text"] == loaded["text"] == want, (name, job)
