@@ -29,6 +29,9 @@ from .sampling import SamplerSettings
 from .slots import QueueFull, Request, Scheduler
 
 MAX_STOP_STRINGS, MAX_TOP_LOGPROBS = 16, 20
+# A stop string's characters at most: the engine thread matches every stop string against the text
+# each token (slots.StopMatcher), so its length bounds what one request can cost every slot.
+MAX_STOP_CHARS = 4096
 
 
 class BadRequest(Exception):
@@ -108,6 +111,9 @@ def stops_of(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
         raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS:,} characters, got {longest:,}", "stop")
     return stops
 
 

@@ -61,12 +61,7 @@ class StopMatcher:
             at = min(i for i, _ in hits)
             out, self.pending = self.pending[:at], ""
             return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = max((_overlap(self.pending, s) for s in self.stops), default=0)
         out = self.pending[:len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold:]
         return out, False
@@ -74,6 +69,19 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` (shorter than `stop`): where a
+    stop string could still begin. Each candidate start is an occurrence of stop's first character,
+    tried longest first and compared once (memcmp), so a request's stop strings cost the engine
+    thread about their length a token, not its square."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i != -1:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
 
 
 @dataclass

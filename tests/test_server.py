@@ -188,6 +188,7 @@ def test_context_policy(client):
     (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
     (b'{"prompt": "x", "top_p": 0}', "top_p"),
     (b'{"prompt": "x", "stop": 3}', "stop"),
+    (b'{"prompt": "x", "stop": ["ok", "' + b"a" * 4097 + b'"]}', "at most 4,096 characters, got 4,097"),
     (b'{"prompt": 7}', "prompt"),
     (b'{"prompt": [1, 99999999]}', "token ids"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"),
@@ -779,3 +780,4 @@ def test_load_test_tool_on_other_geometries(tmp_path, name):
         want = tok.decode(list(generate_tokens(model, cache, job.prompt, Sampler(settings), job.max_tokens,
                                                tok.stop_ids)))
         assert alone["text"] == loaded["text"] == want, (name, job)
+
