@@ -8,6 +8,7 @@ the context) prints one line to stderr and exits 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -143,14 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(arg: str) -> str:
-    """The prompt text, or stdin's bytes as strict UTF-8 for '-'."""
-    if arg != "-":
-        return arg
-    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    """The prompt text, or stdin's bytes for '-'; either as strict UTF-8 (Python hands argv's
+    undecodable bytes over as lone surrogates: os.fsencode gives the bytes back)."""
+    data = os.fsencode(arg) if arg != "-" else sys.stdin.buffer.read() if sys.stdin is not None else b""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise MuseError(f"stdin is not UTF-8 text: byte {exc.start} ({data[exc.start]:#04x}) cannot be decoded") \
+        where = "stdin" if arg == "-" else "--prompt"
+        raise MuseError(f"{where} is not UTF-8 text: byte {exc.start} ({data[exc.start]:#04x}) cannot be decoded") \
             from None
 
 

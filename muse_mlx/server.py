@@ -408,7 +408,7 @@ class App:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
             prompt = body.get("prompt")
             if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
+                ids = await self._encode(prompt, None, "prompt")
             elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                               for t in prompt):
                 n_vocab = self.scheduler.model.geometry.n_vocab
@@ -435,7 +435,7 @@ class App:
                                                            for m in messages])
             except MuseError as exc:
                 raise BadRequest(f"the chat template failed: {exc}", "messages") from None
-            ids = self.tokenizer.encode(text, add_bos=False)
+            ids = await self._encode(text, False, "messages")
             want = body.get("logprobs", False)
             if not isinstance(want, bool):
                 raise BadRequest("'logprobs' must be a boolean", "logprobs")
@@ -445,6 +445,23 @@ class App:
             return await self._serve(request, body, ids, top if want else None, chat=True)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
+
+    async def _encode(self, text: str, add_bos: bool | None, param: str) -> list[int]:
+        """A prompt's token ids, tokenized on a worker thread (the tokenizer releases the GIL), after
+        refusing at once a text whose bytes alone prove it longer than a slot (each token is at most
+        `max_token_bytes` of it): a 64 MiB prompt took ~1 s a MB on the event loop, every stream
+        stalled, to be refused anyway."""
+        context = self.scheduler.context
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > context:
+            least = -(-n_bytes // self.tokenizer.max_token_bytes)
+            if least > context:
+                raise BadRequest(f"the prompt is at least {least:,} tokens ({n_bytes:,} bytes), longer than the "
+                                 f"slot's context of {context:,} positions", param)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text, add_bos)
+        except MuseError as exc:   # not Unicode (a lone surrogate from a JSON escape)
+            raise BadRequest(f"the {param}: {exc}", param) from None
 
     async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool):
         from starlette.responses import JSONResponse

@@ -165,16 +165,32 @@ class MuseTokenizer:
         return len(self.vocab.tokens)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Text -> ids, parsing special tokens; BOS first if the GGUF asks for it (or `add_bos`)."""
-        if self._specials is None:   # tokenizers' added vocabulary matches them
-            ids = self._tok.encode(text, add_special_tokens=False).ids
-        else:
-            ids = []
-            for piece in self._specials.split(text):
-                ids += [piece] if isinstance(piece, int) else self._tok.encode(piece, add_special_tokens=False).ids
+        """Text -> ids, parsing special tokens; BOS first if the GGUF asks for it (or `add_bos`).
+
+        Text that is not Unicode (a lone surrogate: an undecodable byte of argv, a JSON escape) is a
+        TokenizerError. The pieces go through tokenizers' `encode_batch`, which releases the GIL while
+        it works (`encode` holds it: ~1 s a MB of text with every other Python thread stopped), so
+        a server tokenizing a long prompt on a worker thread keeps serving."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"the text is not Unicode: a lone surrogate ({ord(text[exc.start]):#06x}) at "
+                                 f"character {exc.start:,}") from None
+        pieces = [text] if self._specials is None else self._specials.split(text)   # None: tokenizers matches them
+        texts = [p for p in pieces if not isinstance(p, int)]
+        encoded = iter(self._tok.encode_batch(texts, add_special_tokens=False) if texts else ())
+        ids = []
+        for piece in pieces:
+            ids += [piece] if isinstance(piece, int) else next(encoded).ids
         if (self.vocab.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token's text takes (its stored form, never shorter than the bytes
+        it renders as or is parsed from): a text of n bytes is at least n / this many tokens."""
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in self.vocab.tokens), default=1) or 1
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token renders as; control tokens render as nothing (llama.cpp, special=false)."""

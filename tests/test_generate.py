@@ -168,6 +168,16 @@ def test_stdin_that_is_not_utf8(f32_fixture, data, fragment):
     assert "stdin is not UTF-8" in err and fragment in err
 
 
+def test_a_prompt_argument_that_is_not_utf8(f32_fixture):
+    """Bytes in argv that are not UTF-8 (Python passes them on as lone surrogates, which the
+    tokenizer cannot take): one line naming the byte, exit 2, as for stdin."""
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "-p", b"caf\xe9",
+                        "-m", "2"], capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and r.stdout == b"" and len(err.strip().splitlines()) == 1, err
+    assert "--prompt is not UTF-8 text: byte 3 (0xe9)" in err
+
+
 def test_a_closed_stdout_ends_quietly(f32_fixture):
     """Output piped into `head -c 5`: the reader goes away; the command exits 0 with nothing on stderr."""
     p = subprocess.Popen([sys.executable, "-m", "muse_mlx.generate", "--model", str(f32_fixture), "-m", "400"],

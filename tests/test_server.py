@@ -195,6 +195,8 @@ def test_context_policy(client):
     (b'{"prompt": "x", "n": 2}', "n"),
     (b'{"prompt": "x", "logprobs": 99}', "logprobs"),
     (b'\xff\xfe', "UTF-8"),
+    (b'{"prompt": "a\\udc80b"}', "a lone surrogate (0xdc80) at character 1"),
+    (b'{"prompt": "' + b"x" * 2**20 + b'"}', "the prompt is at least"),
 ])
 def test_bad_requests_are_400_with_an_openai_error(server, body, fragment):
     r = httpx.post(server + "/v1/completions", content=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -205,6 +207,7 @@ def test_bad_requests_are_400_with_an_openai_error(server, body, fragment):
 
 def test_chat_bad_requests(server):
     for body in (b'{}', b'{"messages": [{"role": "user"}]}', b'{"messages": "hi"}',
+                 b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
                  b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'):
         r = httpx.post(server + "/v1/chat/completions", content=body, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 400 and "error" in r.json(), r.text
@@ -711,6 +714,38 @@ def test_a_pack_put_whose_name_another_took_meanwhile_is_400_and_leaves_the_othe
     assert r.status_code == 200, r.text
     assert threads["verify"] is not threads["loop"], threads
     assert client.get("/health").status_code == 200
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop_and_one_too_long_by_its_bytes_is_not_tokenized(in_process,
+                                                                                                  monkeypatch):
+    """Tokenizing holds a thread ~1 s a MB: a text prompt is tokenized on a worker thread (the
+    tokenizer releases the GIL there), and one whose bytes alone prove it longer than the slot
+    (more than context x the longest token's bytes) is refused without being tokenized."""
+    import threading
+
+    from muse_mlx import server
+
+    app, client, _ = in_process
+    calls, real_encode, real_parse = [], app.tokenizer.encode, server.parse_json
+    threads = {}
+
+    def encode(text, add_bos=None):
+        calls.append(threading.current_thread())
+        return real_encode(text, add_bos)
+
+    def parse_json(body):
+        threads["loop"] = threading.current_thread()
+        return real_parse(body)
+    monkeypatch.setattr(app.tokenizer, "encode", encode)
+    monkeypatch.setattr(server, "parse_json", parse_json)
+    r = client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and len(calls) == 1 and calls[0] is not threads["loop"], r.text
+    n = app.scheduler.context * app.tokenizer.max_token_bytes + 1
+    r = client.post("/v1/completions", json={"prompt": "é" * (n // 2 + 1), "max_tokens": 1})
+    assert r.status_code == 400 and len(calls) == 1, r.text
+    assert f"at least {-(-(n + 1) // app.tokenizer.max_token_bytes):,} tokens" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "x" * app.scheduler.context, "max_tokens": 1})
+    assert len(calls) == 2   # not provably too long by its bytes: tokenized (and judged by its tokens)
 
 
 def test_load_test_tool(f32_fixture, tmp_path, solo):
