@@ -158,14 +158,29 @@ def test_stop_strings_are_matched_across_tokens_and_not_emitted(client, solo):
     assert "".join(p.choices[0].text for p in parts if p.choices) == full[:full.index(stop)]
 
 
-def test_logprobs(client):
+def test_logprobs(client, f32_fixture):
+    """Each token's log-prob and the top 3, against a float64 log-softmax of the model's own logits
+    (in process, the prompt and the answer's tokens teacher-forced), most likely first."""
+    from muse_mlx.tools.oracle import log_softmax
+
     ids = prompt_ids(10, 5)
     r = client.completions.create(model="m", prompt=ids, max_tokens=6, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(t) <= 3 for t in lp.top_logprobs) and "".join(lp.tokens) == r.choices[0].text
-    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):   # greedy: the chosen token is the top one
-        assert abs(chosen - max(top.values())) < 1e-9
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    answer = list(generate_tokens(model, model.make_cache(CTX), ids, Sampler(SamplerSettings()), 6, tok.stop_ids))
+    assert tok.decode(answer) == r.choices[0].text
+    logits = np.array(model.prefill(ids + answer[:-1], model.make_cache(CTX), all_logits=True), dtype=np.float64)
+    want = log_softmax(logits[len(ids) - 1:])
+    for step, (token, chosen, top) in enumerate(zip(answer, lp.token_logprobs, lp.top_logprobs)):
+        assert abs(chosen - want[step, token]) < 1e-5
+        expected = {}   # keyed by text, as OpenAI's format is: of tokens of one text, the most likely
+        for i in np.argsort(-want[step], kind="stable")[:3]:
+            expected.setdefault(tok.decode([int(i)]), want[step, i])
+        assert list(top) == list(expected), step
+        assert np.allclose(list(top.values()), list(expected.values()), atol=1e-5)
     c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=2)
     assert len(c.choices[0].logprobs.content) == c.usage.completion_tokens
