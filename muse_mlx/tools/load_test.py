@@ -4,7 +4,8 @@ Issue 16 item 4. One server (`python -m muse_mlx.server`, `--parallel` slots, an
 model (default: the embedded one). `--requests` requests of random token ids with mixed prompt
 lengths (`--prompt-len LO:HI`) and output lengths (`--max-tokens LO:HI`): every third sampled
 (temperature 0.8, top-k 40, top-p 0.95, a seed of its own), the rest greedy; every other one
-streamed (with `stream_options.include_usage`); sent with the official `openai` client. First each
+streamed (with `stream_options.include_usage`); every fifth with stop strings ("er", a blank line); sent with the
+official `openai` client. First each
 request alone, one after another: its solo run. Then all of them, `--rounds` times over,
 `--concurrency` at a time (more than the slots: the rest wait in the server's queue, which is made
 at least that deep). Recorded for every request of every round: its error, if any; its text, finish
@@ -46,6 +47,7 @@ from .live_server import Server
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 SAMPLED_EXTRA = {"top_k": 40}   # not an OpenAI field: sent in the body as llama-server takes it
+STOPS = ["er", "\n\n"]           # every fifth request's stop strings
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Job:
     sampled: bool
     stream: bool
     seed: int
+    stops: bool = False
 
 
 @dataclass
@@ -88,13 +91,15 @@ def make_jobs(n: int, n_vocab: int, prompt_len: tuple[int, int], max_tokens: tup
         length = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         jobs.append(Job(i, [int(t) for t in rng.integers(0, n_vocab, length)],
                         int(rng.integers(max_tokens[0], max_tokens[1] + 1)), i % 3 == 0, i % 2 == 0,
-                        int(rng.integers(0, 2**31))))
+                        int(rng.integers(0, 2**31)), i % 5 == 4))
     return jobs
 
 
 def send(client, job: Job) -> Outcome:
     """One request through the openai client; any failure is the outcome's error, never raised."""
     kw = dict(model="m", prompt=job.prompt, max_tokens=job.max_tokens, seed=job.seed)
+    if job.stops:
+        kw["stop"] = STOPS
     if job.sampled:
         kw.update(SAMPLED, extra_body=SAMPLED_EXTRA)
     else:
@@ -223,7 +228,8 @@ def summarize(jobs: list[Job], result: dict, rss_slack: int) -> tuple[dict, bool
     metrics = {"solo_errors": solo_errors, "solo_s": result["solo_s"], "rounds": rounds,
                "rss_end_bytes": rss, "rss_growth_after_warm_up_bytes": growth,
                "server_alive_after": result["server_alive_after"],
-               "greedy": sum(not j.sampled for j in jobs), "streamed": sum(j.stream for j in jobs)}
+               "greedy": sum(not j.sampled for j in jobs), "streamed": sum(j.stream for j in jobs),
+               "with_stops": sum(j.stops for j in jobs)}
     passes = (solo_errors == 0 and result["server_alive_after"]
               and all(r["errors"] == 0 and not r["differences"] for r in rounds)
               and (growth is None or growth <= rss_slack * 2**20))
@@ -312,7 +318,7 @@ def _command(argv=None) -> int:
                   "ctx_size": args.ctx_size, "seed": args.seed, "rss_slack_mib": args.rss_slack,
                   "server_args": args.server_arg, "sampled": {**SAMPLED, **SAMPLED_EXTRA},
                   "jobs": [{"prompt_tokens": len(j.prompt), "max_tokens": j.max_tokens, "sampled": j.sampled,
-                            "stream": j.stream, "seed": j.seed} for j in jobs]}
+                            "stream": j.stream, "seed": j.seed, "stops": STOPS if j.stops else None} for j in jobs]}
         r = make_receipt("research/load-test", inputs=inputs, metrics=metrics, samples=samples,
                          verdict="passes" if passes else "fails", synthetic=args.synthetic or None)
         print(f"receipt: {write_receipt(args.receipt, r)}")
