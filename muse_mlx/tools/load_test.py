@@ -293,9 +293,11 @@ def _command(argv=None) -> int:
             return
         tokens = sum(o.completion_tokens or 0 for o in outcomes)
         latency = np.median([o.latency_s for o in outcomes])
+        firsts = [o.first_token_s for o in outcomes if o.first_token_s is not None]
+        first = f", first token median {np.median(firsts):.2f} s (streamed)" if firsts else ""
         print(f"round {phase}: {args.requests} requests, {args.concurrency} at a time on {args.parallel} slot(s), "
               f"{seconds:.1f} s, {failed} failed, {len(differences(solo, outcomes))} unlike their solo runs, "
-              f"{tokens / seconds:.1f} tok/s aggregate, latency median {latency:.2f} s{label}", flush=True)
+              f"{tokens / seconds:.1f} tok/s aggregate, latency median {latency:.2f} s{first}{label}", flush=True)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="muse-load-test-"))
     try:
         result = run(model, jobs, args.parallel, args.concurrency, args.rounds, server_args, work,
