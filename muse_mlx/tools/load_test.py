@@ -310,6 +310,9 @@ def _command(argv=None) -> int:
     if growth is not None:
         print(f"server memory after the warm-up round {metrics['rss_end_bytes'][0] / 2**20:,.0f} MiB, "
               f"after the last {metrics['rss_end_bytes'][-1] / 2**20:,.0f} MiB ({growth / 2**20:+,.1f})", flush=True)
+    else:
+        print("server memory not judged: " + ("one round only" if args.rounds == 1
+                                             else "its resident memory could not be read (no /proc)"), flush=True)
     print("passes" if passes else "fails", flush=True)
     if args.receipt:
         samples = {"solo": [asdict(o) for o in result["solo"]],
