@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import json
 import math
 import sys
@@ -625,8 +626,8 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.state.api_key is not None and scope["path"] != "/health":
             headers = dict(scope.get("headers") or [])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.state.api_key}":
+            expected = f"Bearer {self.state.api_key}".encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(headers.get(b"authorization", b""), expected):   # in constant time
                 response = App.error("invalid or missing API key (Authorization: Bearer ...)", 401, None,
                                      "authentication_error")
                 await response(scope, receive, send)
