@@ -213,7 +213,7 @@ def run(model: str, jobs: list[Job], parallel: int, concurrency: int, rounds: in
             "rss_samples": memory.samples, "server_alive_after": alive}
 
 
-def summarize(jobs: list[Job], result: dict, rss_slack: int) -> tuple[dict, bool]:
+def summarize(jobs: list[Job], result: dict, rss_slack: float) -> tuple[dict, bool]:
     rounds = []
     for got, wall in zip(result["loaded"], result["walls"]):
         diffs = differences(result["solo"], got)
