@@ -29,7 +29,7 @@ from .. import cli
 from ..cli import Parser
 from ..errors import MuseError
 from ..geometry import Geometry
-from .live_server import Server
+from .live_server import Server, add_flags
 
 
 def formula_bytes(g: Geometry, positions: int) -> int:
@@ -104,11 +104,7 @@ def _command(argv=None) -> int:
     p.add_argument("--held", type=int, default=0, help="tokens whose pack B takes first (the delta cell)")
     p.add_argument("--tokens", type=int, default=16, help="greedy tokens B and A decode after it")
     p.add_argument("--ctx-size", type=int, default=0, help="the servers' --ctx-size (default: theirs)")
-    p.add_argument("--server-arg", action="append", default=[], help="one more argument for both servers")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
-    p.add_argument("--workdir", help="the servers' slot folders and logs (default: a temporary folder, removed)")
-    p.add_argument("--synthetic", action="store_true", help="the model's weights are synthetic (so labelled)")
-    p.add_argument("--receipt", help="write a receipt JSON here")
+    add_flags(p, "both servers", "the servers' slot folders and logs")
     args = p.parse_args(argv)
     from .receipts import check_output, make_receipt, write_receipt
 

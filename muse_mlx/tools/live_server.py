@@ -64,3 +64,13 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def add_flags(p, servers: str, workdir: str) -> None:
+    """The flags every tool that starts servers takes: what else `servers` are given, how long they
+    may take to start, where their files go (`workdir`), the synthetic label and the receipt."""
+    p.add_argument("--server-arg", action="append", default=[], help=f"one more argument for {servers}")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
+    p.add_argument("--workdir", help=f"{workdir} (default: a temporary folder, removed)")
+    p.add_argument("--synthetic", action="store_true", help="the model's weights are synthetic (so labelled)")
+    p.add_argument("--receipt", help="write a receipt JSON here")

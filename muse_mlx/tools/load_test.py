@@ -43,7 +43,7 @@ import numpy as np
 from .. import cli
 from ..cli import Parser
 from ..errors import MuseError
-from .live_server import Server
+from .live_server import Server, add_flags
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 SAMPLED_EXTRA = {"top_k": 40}   # not an OpenAI field: sent in the body as llama-server takes it
@@ -248,12 +248,8 @@ def _command(argv=None) -> int:
     p.add_argument("--ctx-size", type=int, help="the server's --ctx-size (default: the model's)")
     p.add_argument("--seed", type=int, default=42, help="the jobs' random seed (default 42)")
     p.add_argument("--rss-slack", type=float, default=64.0, help="MiB the memory may grow after round 1 (default 64)")
-    p.add_argument("--server-arg", action="append", default=[], help="one more argument for the server")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds the server may take to be ready")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument("--workdir", help="the server's log (default: a temporary folder, removed)")
-    p.add_argument("--synthetic", action="store_true", help="the model's weights are synthetic (so labelled)")
-    p.add_argument("--receipt", help="write a receipt JSON here")
+    add_flags(p, "the server", "the server's log")
     args = p.parse_args(argv)
     from ..artifact import open_artifact
     from ..default_model import default_model_path
