@@ -226,6 +226,8 @@ def summarize(jobs: list[Job], result: dict, rss_slack: float) -> tuple[dict, bo
     growth = rss[-1] - rss[0] if len(rss) > 1 and None not in rss else None
     solo_errors = sum(o.error is not None for o in result["solo"])
     metrics = {"solo_errors": solo_errors, "solo_s": result["solo_s"], "rounds": rounds,
+               "solo_first_token_s": percentiles([o.first_token_s for o in result["solo"]
+                                                  if o.first_token_s is not None]),
                "rss_end_bytes": rss, "rss_growth_after_warm_up_bytes": growth,
                "server_alive_after": result["server_alive_after"],
                "greedy": sum(not j.sampled for j in jobs), "streamed": sum(j.stream for j in jobs),
@@ -283,14 +285,14 @@ def _command(argv=None) -> int:
 
     def report(phase, outcomes, seconds):
         failed = sum(o.error is not None for o in outcomes)
+        firsts = [o.first_token_s for o in outcomes if o.first_token_s is not None]
+        first = f", first token median {np.median(firsts):.2f} s (streamed)" if firsts else ""
         if phase == "solo":
             solo[:] = outcomes
-            print(f"{args.requests} requests alone in {seconds:.1f} s, {failed} failed", flush=True)
+            print(f"{args.requests} requests alone in {seconds:.1f} s, {failed} failed{first}", flush=True)
             return
         tokens = sum(o.completion_tokens or 0 for o in outcomes)
         latency = np.median([o.latency_s for o in outcomes])
-        firsts = [o.first_token_s for o in outcomes if o.first_token_s is not None]
-        first = f", first token median {np.median(firsts):.2f} s (streamed)" if firsts else ""
         print(f"round {phase}: {args.requests} requests, {args.concurrency} at a time on {args.parallel} slot(s), "
               f"{seconds:.1f} s, {failed} failed, {len(differences(solo, outcomes))} unlike their solo runs, "
               f"{tokens / seconds:.1f} tok/s aggregate, latency median {latency:.2f} s{first}{label}", flush=True)
