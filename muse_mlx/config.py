@@ -93,6 +93,14 @@ class KernelConfig:
         the GPU copies earlier ones) before the model is built; 0 = mx.load, 16 MiB pieces a matrix
         at a time. 1 loaded the bench file's weights in 4.44 / 3.14 s against 0's 6.44 / 7.04 in
         `generate --max-tokens 1` (H200, 6ff7baf; ledger, 2026-12-03).
+    batch_invariant: 1 = a decode step computes each sequence's logits with the same bits
+        whatever else is in its batch (1..4 slots at any depths; docs/kernels.md "Batch
+        invariance"): every product of 1..4 rows takes one form at every row count (the
+        tensor-core form on CUDA where it applies, its parts of K added in order; else
+        matvec.inc), a plane's attention splits are always plane_chunk rows, and the combine's
+        simdgroups are fixed (combine_warps, or 16). 0 = each row count takes its fastest form
+        (one row streams, several take the tensor cores), so a sequence's sums depend on its
+        batch. Not yet measured on a GPU (ledger, 2026-12-05).
     """
 
     ring_chunk: int = 32
@@ -114,6 +122,7 @@ class KernelConfig:
     prefill_layers_in_flight: int = 2
     pinned_upload: int = 1
     weights_staged: int = 1
+    batch_invariant: int = 0
 
     def __post_init__(self):
         limits = {"ring_chunk": (1, 65536), "plane_chunk": (1, 65536), "plane_splits_min": (0, 1024),
@@ -123,7 +132,8 @@ class KernelConfig:
                   "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
                   "mma_parts": (0, 8), "mma_q4k_prefetch": (0, 2),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
-                  "pinned_upload": (0, 1), "weights_staged": (0, 1)}
+                  "pinned_upload": (0, 1), "weights_staged": (0, 1),
+                  "batch_invariant": (0, 1)}
         for name, (lo, hi) in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -134,8 +144,9 @@ class KernelConfig:
             raise MuseError(f"kernel config stream_batch_rf must be 0, 1, 2 or 4, got {self.stream_batch_rf}")
 
     @classmethod
-    def parse(cls, text: str) -> "KernelConfig":
-        """From 'name=value,name=value' (the --kernel-config flag); unnamed fields keep their defaults."""
+    def parse(cls, text: str, batch_invariant: bool = False) -> "KernelConfig":
+        """From 'name=value,name=value' (the --kernel-config flag); unnamed fields keep their defaults.
+        batch_invariant: the --batch-invariant flag, which sets that field to 1."""
         names = {f.name for f in fields(cls)}
         values = {}
         for item in (p.strip() for p in text.split(",")):
@@ -149,6 +160,8 @@ class KernelConfig:
                 values[name] = int(value)
             except ValueError:
                 raise MuseError(f"--kernel-config: {name} must be an integer, got {value!r}") from None
+        if batch_invariant:
+            values["batch_invariant"] = 1
         return replace(cls(), **values)
 
     @classmethod

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-config", default="",
                    help="GPU kernel values, name=value,... (muse_mlx.config.KernelConfig; e.g. prefill_f16=0 for the "
                         "float32 prefill lane)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="decode as a --batch-invariant server does, so that its slots' output can be compared with "
+                        "this run's bit for bit (KernelConfig.batch_invariant)")
     p.add_argument("--kernel-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the GPU kernels into MLX's disk cache, so that the next run loads them instead of "
                         "compiling them (CUDA; default on)")
@@ -170,7 +173,7 @@ def run(argv: list[str] | None = None) -> int:
         problems.append(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
     if problems:
         raise MuseError(problems[0])
-    kernel_config = KernelConfig.parse(args.kernel_config)
+    kernel_config = KernelConfig.parse(args.kernel_config, args.batch_invariant)
 
     from .default_model import default_model_path
     from .model import load

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import cli
 from .cli import Parser
+from .config import KernelConfig
 from .errors import MuseError
 from .sampling import SamplerSettings
 from .slots import QueueFull, Request, Scheduler
@@ -644,7 +645,8 @@ def build(args) -> tuple[App, Scheduler]:
     from .tools.fixtures import cache_dir
 
     model_path = args.model if args.model is not None else default_model_path()
-    model = load(model_path, backend="reference" if args.reference else "auto")
+    config = KernelConfig.parse(getattr(args, "kernel_config", ""), getattr(args, "batch_invariant", False))
+    model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=config)
     g = model.geometry
     context = min(args.ctx_size or g.context_length, g.context_length)
     tokenizer = MuseTokenizer(model.artifact.vocabulary)
@@ -676,6 +678,12 @@ def _command(argv=None) -> int:
                    help="remove a handoff's blob that no pack took within this many seconds of its arrival "
                         f"(0: keep; default {INCOMING_TTL_S:.0f})")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every slot's logits the same bits as its solo run's whatever the other slots hold "
+                        "(the kernel path: one row takes the tensor-core form too, slower at one slot; "
+                        "KernelConfig.batch_invariant; docs/server.md)")
+    p.add_argument("--kernel-config", default="", metavar="NAME=VALUE,...",
+                   help="GPU kernel values (muse_mlx.config.KernelConfig), as generate takes them")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up (a short prefill and a decode step over every slot count) before listening")
     args = p.parse_args(argv)
@@ -689,14 +697,17 @@ def _command(argv=None) -> int:
         raise MuseError(f"--queue must be >= 0, got {args.queue}")
     if not (args.kv_incoming_ttl >= 0 and math.isfinite(args.kv_incoming_ttl)):
         raise MuseError(f"--kv-incoming-ttl must be a finite number of seconds >= 0, got {args.kv_incoming_ttl}")
+    config = KernelConfig.parse(args.kernel_config, args.batch_invariant)   # refused before the weights load
     app, scheduler = build(args)
     import uvicorn
 
     scheduler.thread.start()
     try:
         warm = "" if args.no_warmup else f"; warm-up {scheduler.warm_up():.2f} s"
+        exact = "; batch-invariant" if config.batch_invariant else ""
         print(f"muse_mlx server: {app.model_name}, {len(scheduler.slots)} slot(s) x {scheduler.context:,} positions, "
-              f"KV {scheduler.kv_bytes:,} bytes held{warm}; http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+              f"KV {scheduler.kv_bytes:,} bytes held{exact}{warm}; http://{args.host}:{args.port}", file=sys.stderr,
+              flush=True)
         uvicorn.run(app.starlette(), host=args.host, port=args.port, log_level="warning")
     finally:
         scheduler.stop()

@@ -812,3 +812,30 @@ def test_load_test_tool_on_other_geometries(tmp_path, name):
                                                tok.stop_ids)))
         assert alone["text"] == loaded["text"] == cut_at_stops(want, job), (name, job)
 
+
+
+@pytest.mark.parametrize("which", ["server", "generate"])
+@pytest.mark.parametrize("flags, expected", [([], 0), (["--batch-invariant"], 1),
+                                             (["--kernel-config", "batch_invariant=1"], 1)])
+def test_batch_invariant_flag_reaches_the_kernels(which, flags, expected, monkeypatch, f32_fixture):
+    """--batch-invariant (server and generate, the two sides of a comparison) and --kernel-config
+    batch_invariant=1 give the model's load KernelConfig.batch_invariant = 1; without them 0.
+    (What the field does: tests/test_batch_invariant.py, tests/gpu.)"""
+    from muse_mlx import generate, model, server
+
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load(path, backend="auto", kernel_config=None, **kw):
+        seen.append(kernel_config)
+        raise Loaded
+    monkeypatch.setattr(model, "load", fake_load)
+    argv = ["--model", str(f32_fixture), *flags]
+    with pytest.raises(Loaded):
+        if which == "server":
+            server._command(argv + ["--no-warmup"])
+        else:
+            generate.run(argv + ["-p", "hi", "--max-tokens", "1"])
+    assert len(seen) == 1 and seen[0].batch_invariant == expected

@@ -63,17 +63,28 @@ class Kernels:
         A type with a streaming kernel takes it (matvec_stream.inc): one row with x in
         registers, several with x in threadgroup memory, as many rows a launch as
         plan.stream_batch_rows allows; otherwise matvec.inc. Each reads each weight once for
-        all the rows of its launch. `init_value` pre-fills the output (tests poison it with NaN
-        to catch unwritten elements)."""
+        all the rows of its launch. On CUDA several rows take the tensor cores (_takes_mma, which
+        also says what KernelConfig.batch_invariant changes). `init_value` pre-fills the output
+        (tests poison it with NaN to catch unwritten elements)."""
         B, K = x.shape
         if not 1 <= B <= plan.MAX_BATCH:
             raise ValueError(f"matvec takes 1..{plan.MAX_BATCH} rows, got {B}")
         x = x.astype(mx.float32)
         N = w.shape[0]
-        if B > 1 and self._takes_mma(qtype, K, N, B):
-            return self.matvec_mma(w, qtype, x, init_value=init_value)
-        if plan.streams(qtype, K) and (B == 1 or plan.stream_batch_rows(K, self.device, self.config)):
+        if self._takes_mma(qtype, K, N, B):
+            if B <= plan.MMA_MAX_ROWS:
+                return self.matvec_mma(w, qtype, x, init_value=init_value)
+            return mx.concatenate([self.matvec_mma(w, qtype, x[b:b + plan.MMA_MAX_ROWS], init_value=init_value)
+                                   for b in range(0, B, plan.MMA_MAX_ROWS)], axis=0)
+        if plan.streams(qtype, K) and (B == 1 and not self.config.batch_invariant
+                                       or plan.stream_batch_rows(K, self.device, self.config)):
             return self._stream(w, qtype, K, N, "", [x], 0, init_value)
+        return self._rows(w, qtype, x, init_value)
+
+    def _rows(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None) -> mx.array:
+        """matvec.inc over the B rows of x (B, K) float32."""
+        B, K = x.shape
+        N = w.shape[0]
         name, launch = plan.batch_launch(qtype, K, N, B)
         if qtype in plan.QUANT_VARIANTS:
             xs = x.reshape(B, K // 16, 16).sum(axis=-1)
@@ -82,10 +93,20 @@ class Kernels:
         return self.kernel(name)(inputs=[weights, x], init_value=init_value, **launch)[0]
 
     def _takes_mma(self, qtype: QT, K: int, N: int, B: int) -> bool:
-        """Whether B > 1 rows take the tensor-core form: on CUDA, from config.stream_mma rows on, where it
+        """Whether B rows take the tensor-core form: on CUDA, from config.stream_mma rows on, where it
         applies (over matrices of config.mma_pair_min_rows rows or more with two rows of x, of
-        config.mma_min_rows or more with three or four)."""
+        config.mma_min_rows or more with three or four).
+
+        With config.batch_invariant every row count takes one form, so that a row's sums never
+        depend on the rows beside it: on CUDA the tensor-core form wherever its plan applies (the
+        plan does not depend on the rows, and each row of x has its own scale, halves and mma
+        column), in launches of at most MMA_MAX_ROWS rows; elsewhere the streaming pair where
+        several rows may stream (x_shared sums each output in one row's order), else matvec.inc
+        (a warp a row)."""
         config = self.config
+        if config.batch_invariant:
+            return (self.device.backend == "cuda"
+                    and plan.mma_plan(qtype, K, N, min(B, plan.MMA_MAX_ROWS), self.device, config) is not None)
         return (self.device.backend == "cuda" and 2 <= config.stream_mma <= B
                 and N >= (config.mma_pair_min_rows if B == 2 else config.mma_min_rows)
                 and plan.mma_plan(qtype, K, N, B, self.device, self.config) is not None)
@@ -100,7 +121,15 @@ class Kernels:
             raise ValueError(f"the tensor-core matvec does not take {qtype.name} with K = {K} and {B} rows")
         name, memory, launch = plan.mma_launch(qtype, K, w.shape[0], self.device, self.config, B, stride)
         y = self.kernel(name, memory)(inputs=[w, x.astype(mx.float32)], init_value=init_value, **launch)[0]
-        return y if y.ndim == 2 else y.sum(axis=0)
+        if y.ndim == 2:
+            return y
+        if not self.config.batch_invariant:
+            return y.sum(axis=0)
+        parts = mx.split(y, y.shape[0], axis=0)   # added in order, an order that does not depend on B
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total.reshape(y.shape[1:])
 
     def dequantize(self, w: mx.array, qtype: QT, K: int, init_value: float | None = None) -> mx.array:
         """The raw GGUF rows (N, row_bytes) uint8 of a quantized type -> (N, K) float16: gguf-py's
@@ -117,13 +146,15 @@ class Kernels:
         The streaming kernels make the activation in their prologue. Rows that take the tensor
         cores get it from MLX ops first (one fused launch in a compiled step) and the plain form:
         made inside that kernel, every threadgroup made it twice and the form's registers held it
-        to fewer warps (at B = 4 FFN down Q4_K 111 against 62 µs; H200, c202a3c, ledger)."""
+        to fewer warps (at B = 4 FFN down Q4_K 111 against 62 µs; H200, c202a3c, ledger).
+        Under KernelConfig.batch_invariant one row takes the tensor cores too where several do
+        (_takes_mma), and the ops stream a single row only where several rows may (GpuOps.down_silu)."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         if gate.shape != up.shape:
             raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
-        if gate.shape[0] > 1 and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
+        if (gate.shape[0] > 1 or self.config.batch_invariant) and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
             g, u = gate[:, :K], up[:, up_offset:up_offset + K]
-            return self.matvec_mma(w, qtype, nn.silu(g) * u, init_value)
+            return self.matvec(w, qtype, nn.silu(g) * u, init_value)
         return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
 
     def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,

@@ -299,10 +299,20 @@ def dequant_launch(qtype: QT, K: int, N: int) -> tuple[str, dict]:
 # ---- decode attention ----------------------------------------------------------------
 
 
+# The combine's simdgroups under KernelConfig.batch_invariant (when combine_warps is 0): a planning
+# value, not measured (a 131,072-row plane in 128-row splits gives each 64 splits to walk).
+INVARIANT_COMBINE_WARPS = 16
+
+
 def combine_warps(nsplit: int, config: KernelConfig) -> int:
     """The combine's simdgroups for `nsplit` partial results: the config's, or when 0 one per 16
     splits, at least 4 and at most 32 (each simdgroup then walks ~16 splits, its loads in flight
-    four at a time, instead of nsplit / 4)."""
+    four at a time, instead of nsplit / 4). With batch_invariant a fixed count (the config's, or
+    INVARIANT_COMBINE_WARPS): simdgroup w sums splits w, w + CW, ... and the CW sums are added in
+    order, so a sequence's non-empty splits are summed in one order whatever split count its
+    batch gives the launch (its empty ones add exact zeros)."""
+    if config.batch_invariant:
+        return config.combine_warps or INVARIANT_COMBINE_WARPS
     return config.combine_warps or max(COMBINE_WARPS, min(32, -(-nsplit // 16)))
 
 
@@ -319,8 +329,12 @@ def attention_params(n_valid: int, chunk: int, splits: int | None = None) -> mx.
 def plane_chunk(n_valid: int, config: KernelConfig) -> int:
     """Rows per split of a plane's decode attention over n_valid rows: config.plane_chunk, halved
     (not below config.ring_chunk) while n_valid would take fewer than config.plane_splits_min
-    splits (0: never). Few values (one a doubling of the depth up to plane_chunk), so few traces."""
+    splits (0: never). Few values (one a doubling of the depth up to plane_chunk), so few traces.
+    With batch_invariant always plane_chunk: a batch's rows per split follow its deepest sequence,
+    and a sequence split otherwise than alone would be summed in another order."""
     chunk = config.plane_chunk
+    if config.batch_invariant:
+        return chunk
     while config.plane_splits_min and chunk // 2 >= config.ring_chunk \
             and -(-n_valid // chunk) < config.plane_splits_min:
         chunk //= 2

@@ -340,8 +340,9 @@ class GpuOps(ReferenceOps):
     def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
         rows = gate.array.shape[0]
         kernels = self.kernels
+        one_row = rows == 1 and not kernels.config.batch_invariant   # one row's form only where several share it
         if (w.raw and gate.offset == 0 and gate.array.shape == up.array.shape and kplan.streams(w.qtype, w.n_in)
-                and (rows == 1 or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
+                and (one_row or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
                 and rows <= kplan.MAX_BATCH):
             return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset)
         return super().down_silu(w, gate, up)

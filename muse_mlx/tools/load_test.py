@@ -19,7 +19,7 @@ run's, and the resident memory after the last round is within `--rss-slack` MiB 
 passes, 1 when not, 2 for a bad flag. The receipt holds every request's record and the memory
 samples. On the GPU's tensor-core products a concurrent step's sums are not a solo step's (docs/
 server.md, Exactness): there greedy equality rests on the margin between the top two tokens, and a
-flip is reported, not hidden.
+flip is reported, not hidden; with `--server-arg=--batch-invariant` the sums are the same.
 
     python -m muse_mlx.tools.load_test [--model X.gguf] [--parallel 4] [--requests 200] [--concurrency 8]
         [--rounds 2] [--prompt-len 3:120] [--max-tokens 0:40] [--ctx-size C] [--server-arg=--reference]

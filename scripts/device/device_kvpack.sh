@@ -14,8 +14,9 @@
 #            32,768 of 65,536 ($OUT/live-{deep,delta}.json / .log; not in the default PARTS)
 #   load     tools/load_test.py (issue 16 item 4): one server with 4 slots on the bench GGUF, 200
 #            requests alone and then LOAD_ROUNDS (default 2) rounds 8 at a time through the openai
-#            client, every answer against its solo run ($OUT/load-test.json / .log; not in the
-#            default PARTS; needs the client's wheels: stage_server_stack.sh --client)
+#            client, every answer against its solo run ($OUT/load-test-MODE.json / .log; not in the
+#            default PARTS; needs the client's wheels: stage_server_stack.sh --client); LOAD_MODES
+#            (default "default"; "exact": the server with --batch-invariant)
 # Carry .device/revision.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,8 +60,11 @@ if [[ " $PARTS " == *" load "* ]]; then
   export PYTHONPATH="$PWD/.device/srv:/tmp/client-site:$PYTHONPATH"
   python3 -c "import uvicorn, starlette, sse_starlette, openai" 2>/dev/null \
     || { echo "load: no server stack or openai client here: run scripts/device/stage_server_stack.sh --client and carry .device/srv"; exit 2; }
-  timeout ${LOAD_TIMEOUT:-400} python3 -m muse_mlx.tools.load_test --model $G --synthetic --parallel 4 --requests 200 \
-    --concurrency 8 --rounds ${LOAD_ROUNDS:-2} --receipt "$OUT/load-test.json" > "$OUT/load-test.log" 2>&1
-  echo "load rc $?"; tail -6 "$OUT/load-test.log"
+  for mode in ${LOAD_MODES:-default}; do   # default, and/or exact: the server with --batch-invariant
+    extra=(); [ "$mode" = exact ] && extra=(--server-arg=--batch-invariant)
+    timeout ${LOAD_TIMEOUT:-400} python3 -m muse_mlx.tools.load_test --model $G --synthetic --parallel 4 --requests 200 \
+      --concurrency 8 --rounds ${LOAD_ROUNDS:-2} ${extra[@]+"${extra[@]}"} --receipt "$OUT/load-test-$mode.json" > "$OUT/load-test-$mode.log" 2>&1
+    echo "load ($mode) rc $?"; tail -6 "$OUT/load-test-$mode.log"
+  done
 fi
 bash scripts/device/pack_out.sh

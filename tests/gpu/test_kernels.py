@@ -171,6 +171,42 @@ def test_batched_decode_equals_each_sequence_alone(fixture_files, name):
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
+def test_batch_invariant_decode_is_bitwise(fixture_files, name):
+    """KernelConfig.batch_invariant: four sequences (3 and 40 positions, one past its ring's wrap,
+    one of 2,100 whose batch would by default give the others' planes 128-row splits where alone
+    they take 32) decoded together for four steps, then three of them for two more (the deep one
+    left), against each decoded alone by the same steps: every row's logits the same bits
+    (tests/test_batch_invariant.py checks the same on the CPU through the kernels' Metal text)."""
+    g = DEFAULT_GEOMETRY
+    rng = np.random.default_rng([SEED, 33])
+    prompts = [rng.integers(0, g.n_vocab, n) for n in (3, 40, g.sliding_window + 9, 2100)]
+    steps = [rng.integers(0, g.n_vocab, len(prompts)) for _ in range(6)]
+
+    def decode(batched):
+        model = load(fixture_files[name], "gpu", KernelConfig(batch_invariant=1))
+        caches = []
+        for p in prompts:
+            caches.append(model.make_cache(2200))
+            model.prefill(mx.array(p), caches[-1])
+        rows = []
+        for i, nxt in enumerate(steps):
+            active = list(range(len(prompts) if i < 4 else len(prompts) - 1))
+            if batched:
+                rows.append(np.array(model(mx.array(nxt[active, None]), [caches[b] for b in active]))[:, 0])
+            else:
+                rows.append(np.stack([np.array(model.step(int(nxt[b]), caches[b])) for b in active]))
+        return rows
+
+    batch, solo = decode(True), decode(False)
+    equal = [bool(np.array_equal(a, b)) for a, b in zip(batch, solo)]
+    d = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(batch, solo))
+    ok = all(equal) and all(np.isfinite(a).all() for a in batch)
+    record("batch_invariant_decode", fixture=name, sequences=len(prompts), steps_equal=equal, max_abs_dlogit=d,
+           **{"pass": ok})
+    assert ok, (equal, d)
+
+
+@pytest.mark.parametrize("name", ["F32", "Q4_K_M-random"])
 def test_decode_step_carries_the_positions_on_the_device(fixture_files, name):
     """The compiled decode step makes its rows, attention parameters and cos|sin rows from the
     sequences' positions and returns them plus one for the next token (ops.gpu.DevicePositions):
