@@ -106,6 +106,23 @@ def sampling_of(body: dict) -> SamplerSettings:
                            seed=_integer(body, "seed", 0))
 
 
+# Request fields of the OpenAI and llama-server APIs this server does not serve, each with the values
+# that ask for nothing (what a client sends by default): any other value is refused by name rather
+# than ignored, so that no one reads unpenalized, unbiased or unconstrained text as what they asked for.
+UNSERVED = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repeat_penalty": (1, 1.0),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+    "grammar": ("",), "json_schema": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+}
+
+
+def refuse_unserved(body: dict) -> None:
+    for name, neutral in UNSERVED.items():
+        v = body.get(name)
+        if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
+            raise BadRequest(f"'{name}' is not served here: leave it out (or send {neutral[0]!r})", name)
+
+
 def stops_of(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -408,6 +425,7 @@ class App:
     async def completions(self, request):
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            refuse_unserved(body)
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 ids = await self._encode(prompt, None, "prompt")
@@ -427,6 +445,7 @@ class App:
     async def chat(self, request):
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            refuse_unserved(body)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

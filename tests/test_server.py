@@ -206,6 +206,15 @@ def test_context_policy(client):
     (b'{"prompt": [1, 99999999]}', "token ids"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"),
     (b'{"prompt": "x", "n": 2}', "n"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', "'presence_penalty' is not served"),
+    (b'{"prompt": "x", "frequency_penalty": -1}', "'frequency_penalty' is not served"),
+    (b'{"prompt": "x", "repeat_penalty": 1.1}', "'repeat_penalty' is not served"),
+    (b'{"prompt": "x", "logit_bias": {"5": -100}}', "'logit_bias' is not served"),
+    (b'{"prompt": "x", "best_of": 3}', "'best_of' is not served"),
+    (b'{"prompt": "x", "echo": true}', "'echo' is not served"),
+    (b'{"prompt": "x", "suffix": "end"}', "'suffix' is not served"),
+    (b'{"prompt": "x", "grammar": "root ::= [a-z]+"}', "'grammar' is not served"),
+    (b'{"prompt": "x", "presence_penalty": "none"}', "'presence_penalty' is not served"),
     (b'{"prompt": "x", "logprobs": 99}', "logprobs"),
     (b'\xff\xfe', "UTF-8"),
     (b'{"prompt": "a\\udc80b"}', "a lone surrogate (0xdc80) at character 1"),
@@ -216,6 +225,26 @@ def test_bad_requests_are_400_with_an_openai_error(server, body, fragment):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_unserved_fields_at_their_neutral_values_are_taken(client):
+    """A client's defaults for the fields this server does not serve (no penalty, no bias, plain
+    text, no tools) ask for nothing and are taken; the same fields asking for something are 400
+    (above, and for chat below)."""
+    r = client.completions.create(model="m", prompt=prompt_ids(5, 3), max_tokens=2, temperature=0,
+                                  presence_penalty=0, frequency_penalty=0.0, logit_bias={}, best_of=1, echo=False)
+    assert r.usage.completion_tokens == 2
+    c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       temperature=0, response_format={"type": "text"}, presence_penalty=0.0)
+    assert c.usage.completion_tokens <= 2
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert "'response_format' is not served" in str(exc.value)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert "'tools' is not served" in str(exc.value)
 
 
 def test_chat_bad_requests(server):
