@@ -118,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide a recent token's logit by this (multiply where <= 0), as llama.cpp (1: off)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="the last tokens of prompt and output the penalties look back over (0: off; default 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="take this off a recent token's logit (0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="take this times its count off a recent token's logit (0: off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
+                   help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system-prompt", help="system message for --chat")
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
@@ -158,10 +167,22 @@ def _read_prompt(arg: str) -> str:
             from None
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """llama.cpp's --logit-bias: TOKEN_ID then a signed bias ('15043+1', '15043-inf')."""
+    import re
+
+    m = re.fullmatch(r"(\d+)([+-](?:inf|\d+(?:\.\d*)?(?:[eE][+-]?\d+)?))", text.strip())
+    if m is None:
+        raise MuseError(f"--logit-bias: expected TOKEN_ID(+/-)BIAS (e.g. 15043+1 or 15043-inf), got {text!r}")
+    return int(m.group(1)), float(m.group(2))
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = SamplerSettings(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                               seed=args.seed)
+                               seed=args.seed, repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                               logit_bias=tuple(_logit_bias(b) for b in args.logit_bias))
     problems = settings.problems()
     if args.max_tokens < 0:
         problems.append(f"--max-tokens must be >= 0, got {args.max_tokens}")
@@ -208,7 +229,10 @@ def run(argv: list[str] | None = None) -> int:
         raise ContextLimitError(f"the prompt is {len(prompt_ids)} tokens, longer than the context of {context} "
                                 f"positions (--max-context)")
 
-    sampler = Sampler(settings)
+    too_big = [t for t, _ in settings.logit_bias if t >= g.n_vocab]
+    if too_big:
+        raise MuseError(f"--logit-bias: token {too_big[0]} is not in the model's vocabulary of {g.n_vocab:,}")
+    sampler = Sampler(settings, prompt_ids)
     streamer = tokenizer.streamer()
     stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout

@@ -1,12 +1,17 @@
 """Logits -> token: greedy, or temperature sampling after top-k / top-p / min-p filters.
 
-The order follows llama.cpp's default sampler chain (top-k, top-p, min-p, then
-temperature, then a draw): the filters see the model's own distribution, and the
-temperature only reshapes what survives them. `temp == 0` is greedy (argmax).
+The order follows llama.cpp's default sampler chain (common/sampling.cpp): the logit bias,
+then the penalties (repeat, frequency, presence over the last `repeat_last_n` tokens of the
+prompt and the output, as llama-server accepts the prompt's tokens into its sampler), then
+top-k, top-p, min-p, then temperature, then a draw: the filters see the model's distribution
+as biased and penalized, and the temperature only reshapes what survives them. `temp == 0`
+is greedy (argmax of the biased, penalized logits). The sampler accepts its own picks
+lazily, on the device, so a decode loop can build the next step before reading a token.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,6 +25,19 @@ class SamplerSettings:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     seed: int = 0
+    # llama.cpp's penalties sampler (llama_sampler_penalties_apply): a token among the last
+    # repeat_last_n has its logit divided by repeat_penalty (multiplied where <= 0), then count *
+    # frequency_penalty + presence_penalty taken off.
+    repeat_penalty: float = 1.0     # 1: off
+    repeat_last_n: int = 64         # 0: off
+    presence_penalty: float = 0.0   # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    logit_bias: tuple = ()          # ((token id, bias), ...), added to the logits first
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                            or self.frequency_penalty != 0.0)
 
     def problems(self) -> list[str]:
         p = []
@@ -31,16 +49,86 @@ class SamplerSettings:
             p.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             p.append(f"--min-p must be in [0, 1], got {self.min_p}")
+        if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
+            p.append(f"--repeat-penalty must be a finite number > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            p.append(f"--repeat-last-n must be >= 0, got {self.repeat_last_n}")
+        for name, v in (("presence", self.presence_penalty), ("frequency", self.frequency_penalty)):
+            if not math.isfinite(v):
+                p.append(f"--{name}-penalty must be finite, got {v}")
+        for token, bias in self.logit_bias:
+            if token < 0 or math.isnan(bias) or bias == math.inf:
+                p.append(f"--logit-bias: token {token} bias {bias}: a token id >= 0 and a bias < +inf (not NaN)")
         return p
 
 
 class Sampler:
-    def __init__(self, settings: SamplerSettings):
+    def __init__(self, settings: SamplerSettings, history=()):
+        """history: the prompt's token ids, which the penalties look back over as over the output."""
         problems = settings.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.settings = settings
         self._key = mx.random.key(settings.seed % 2**64)   # any integer: taken modulo 2^64
+        self._history = [int(t) for t in history] if settings.penalized else []
+        self._bias = self._counts = self._ring = None   # made at the first logits (their size is the vocabulary's)
+        self._n = 0   # tokens accepted (the prompt's, then every pick)
+        self._started = False
+
+    def _start(self, n_vocab: int) -> None:
+        """The bias as one (V,) array; the penalties' window: each token's count over the last
+        repeat_last_n tokens (V,) float32, and those tokens in a ring."""
+        s = self.settings
+        if s.logit_bias:
+            bias = np.zeros(n_vocab, dtype=np.float32)
+            for token, b in s.logit_bias:
+                if token >= n_vocab:
+                    raise ValueError(f"--logit-bias: token {token} is not in the vocabulary of {n_vocab}")
+                bias[token] += np.float32(b)
+            self._bias = mx.array(bias)
+        if s.penalized:
+            last = self._history[-s.repeat_last_n:]
+            if any(not 0 <= t < n_vocab for t in last):
+                raise ValueError(f"a prompt token is not in the vocabulary of {n_vocab}")
+            self._counts = mx.array(np.bincount(np.array(last, dtype=np.int64), minlength=n_vocab).astype(np.float32))
+            self._n = n = len(self._history)
+            ring = np.zeros(s.repeat_last_n, dtype=np.int32)
+            for i in range(max(0, n - s.repeat_last_n), n):
+                ring[i % s.repeat_last_n] = self._history[i]
+            self._ring = mx.array(ring)
+        self._history = []
+        self._started = True
+
+    def process(self, logits: mx.array) -> mx.array:
+        """The logit bias, then the penalties (llama.cpp's order and arithmetic), lazily. (V,) float32."""
+        if not self._started:
+            self._start(logits.shape[-1])
+        if self._bias is None and self._counts is None:
+            return logits
+        s = self.settings
+        if self._bias is not None:
+            logits = logits + self._bias
+        if self._counts is not None:
+            seen = self._counts > 0
+            if s.repeat_penalty != 1.0:
+                logits = mx.where(seen, mx.where(logits <= 0, logits * s.repeat_penalty, logits / s.repeat_penalty),
+                                  logits)
+            if s.frequency_penalty != 0.0 or s.presence_penalty != 0.0:
+                logits = logits - mx.where(seen, self._counts * s.frequency_penalty + s.presence_penalty, 0.0)
+        return logits
+
+    def _accept(self, token: mx.array) -> None:
+        """The picked token (a lazy 0-d array) into the penalties' window."""
+        if self._counts is None:
+            return
+        n = self.settings.repeat_last_n
+        token = token.reshape(1).astype(mx.int32)
+        i = self._n % n
+        if self._n >= n:   # the oldest leaves the window
+            self._counts = self._counts.at[self._ring[i:i + 1]].add(-1.0)
+        self._counts = self._counts.at[token].add(1.0)
+        self._ring[i:i + 1] = token
+        self._n += 1
 
     def filter(self, logits: mx.array) -> mx.array:
         """Mask (to -inf) the tokens the top-k / top-p / min-p filters drop. logits: (V,) float32."""
@@ -64,12 +152,15 @@ class Sampler:
     def token(self, logits: mx.array) -> mx.array:
         """The sampled token as a lazy 0-d array: nothing waits for the logits, so the next
         step can be built on it before it is computed (generate.generate_tokens)."""
-        logits = logits.reshape(-1).astype(mx.float32)
+        logits = self.process(logits.reshape(-1).astype(mx.float32))
         if self.settings.temp == 0:
-            return mx.argmax(logits)
-        logits = self.filter(logits) / self.settings.temp
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logits, key=sub)
+            token = mx.argmax(logits)
+        else:
+            logits = self.filter(logits) / self.settings.temp
+            self._key, sub = mx.random.split(self._key)
+            token = mx.random.categorical(logits, key=sub)
+        self._accept(token)
+        return token
 
     def __call__(self, logits: mx.array) -> int:
         return int(self.token(logits).item())

@@ -98,20 +98,42 @@ def _integer(body, name, default, lo=None, hi=None):
     return v
 
 
-def sampling_of(body: dict) -> SamplerSettings:
+def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
     return SamplerSettings(temp=_number(body, "temperature", 1.0, 0.0, 100.0),
                            top_k=_integer(body, "top_k", 0, 0, 1 << 30),
                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-                           seed=_integer(body, "seed", 0))
+                           seed=_integer(body, "seed", 0),
+                           presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                           frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                           repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 100.0, lo_open=True),
+                           repeat_last_n=_integer(body, "repeat_last_n", 64, 0, 1 << 20),
+                           logit_bias=logit_bias_of(body, n_vocab))
+
+
+MAX_LOGIT_BIAS = 1024   # entries of one request's logit_bias (OpenAI allows 300)
+
+
+def logit_bias_of(body: dict, n_vocab: int) -> tuple:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} -> ((id, bias), ...), ids in order."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < n_vocab):
+            raise BadRequest(f"'logit_bias': {key[:40]!r} is not a token id in 0..{n_vocab - 1}", "logit_bias")
+        out.append((int(key), _number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)))
+    return tuple(sorted(out))
 
 
 # Request fields of the OpenAI and llama-server APIs this server does not serve, each with the values
 # that ask for nothing (what a client sends by default): any other value is refused by name rather
-# than ignored, so that no one reads unpenalized, unbiased or unconstrained text as what they asked for.
+# than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repeat_penalty": (1, 1.0),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+    "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
     "grammar": ("",), "json_schema": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
 
@@ -491,7 +513,7 @@ class App:
         default_max = context - len(ids)
         max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
                               else "max_tokens", min(default_max, 4096) if chat else 16, 0, 1 << 30)
-        sampling = sampling_of(body)
+        sampling = sampling_of(body, self.scheduler.model.geometry.n_vocab)
         stops = stops_of(body)
         if _integer(body, "n", 1, 1, 1) != 1:
             raise BadRequest("only n = 1 is served", "n")

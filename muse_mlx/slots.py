@@ -255,7 +255,7 @@ class Scheduler:
     def _admit(self, slot: Slot, request: Request) -> None:
         slot.request, slot.generated = request, 0
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
-        slot.sampler = Sampler(request.sampling)
+        slot.sampler = Sampler(request.sampling, request.prompt_ids)   # the penalties see the prompt
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
         start = 0

@@ -68,6 +68,12 @@ def test_chat_and_stdin(f32_fixture):
     (["--frobnicate"], "unrecognized arguments"),
     (["--max-context", "3"], "longer than the context"),
     (["--system-prompt", "x"], "needs --chat"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be a finite number > 0"),
+    (["--repeat-last-n", "-1"], "--repeat-last-n must be >= 0"),
+    (["--presence-penalty", "nan"], "--presence-penalty must be finite"),
+    (["--logit-bias", "15+"], "--logit-bias: expected TOKEN_ID(+/-)BIAS"),
+    (["--logit-bias", "15+inf"], "--logit-bias: token 15 bias inf"),
+    (["--logit-bias", "99999999-1"], "--logit-bias: token 99999999 is not in the model's vocabulary"),
 ])
 def test_user_errors_exit_2_with_one_line(args, fragment):
     r = run_cli(*args)
@@ -75,6 +81,25 @@ def test_user_errors_exit_2_with_one_line(args, fragment):
     assert r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_penalties_and_bias_from_the_command_line(f32_fixture):
+    """--logit-bias as llama.cpp takes it (a token forced by +100, banned by -inf) and the
+    penalties reach the sampler: the forced token's text fills the output; a banned first token
+    and the penalties each change the greedy text."""
+    base = ["--model", str(f32_fixture), "-m", "8", "-p", "The ring"]
+    plain = run_cli(*base)
+    forced = run_cli(*base, "--logit-bias", "300+100")
+    penalized = run_cli(*base, "--frequency-penalty", "1.5", "--repeat-penalty", "1.3", "--repeat-last-n", "16")
+    assert all(r.returncode == 0 for r in (plain, forced, penalized)), forced.stderr + penalized.stderr
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    assert forced.stdout.startswith(tok.decode([300] * 8)) and forced.stdout != plain.stdout
+    assert penalized.stdout != plain.stdout
+    ids = tok.encode("The ring")   # as generate encodes a prompt
+    first = next(generate_tokens(model, model.make_cache(64), ids, Sampler(SamplerSettings()), 1, set()))
+    banned = run_cli(*base, "--logit-bias", f"{first}-inf")
+    assert banned.returncode == 0 and banned.stdout != plain.stdout
 
 
 def test_bad_files_exit_2(tmp_path, f32_fixture):

@@ -76,13 +76,12 @@ def solo(f32_fixture):
     tok = MuseTokenizer(model.artifact.vocabulary)
     memo = {}
 
-    def run(ids, n, settings=SamplerSettings()):
+    def run(ids, n, settings=SamplerSettings(), as_ids=False):
         key = (tuple(ids), n, settings)
         if key not in memo:
             cache = model.make_cache(max(CTX, len(ids) + n + 1))
-            out = list(generate_tokens(model, cache, list(ids), Sampler(settings), n, tok.stop_ids))
-            memo[key] = tok.decode(out)
-        return memo[key]
+            memo[key] = list(generate_tokens(model, cache, list(ids), Sampler(settings, list(ids)), n, tok.stop_ids))
+        return memo[key] if as_ids else tok.decode(memo[key])
     return run
 
 
@@ -133,6 +132,25 @@ def test_concurrent_requests_equal_their_solo_runs(client, solo):
         texts = list(pool.map(lambda j: client.completions.create(model="m", prompt=j[0], max_tokens=j[1],
                                                                    temperature=0).choices[0].text, jobs))
     assert texts == [solo(ids, n) for ids, n in jobs]
+
+
+def test_penalties_and_logit_bias_equal_the_solo_run(client, solo):
+    """Greedy requests with llama.cpp's penalties (frequency, presence, repeat over the last 32
+    tokens, the prompt's among them) and with a logit bias, sent at once to the two slots: each
+    text equals its solo run with the same settings (the CLI's loop), and differs from the plain
+    greedy run. (tests/test_sampling.py checks the arithmetic against the pinned llama.cpp.)"""
+    start = prompt_ids(30, 21)
+    ids = start + solo(start, 12, as_ids=True)   # the prompt holds tokens its greedy continuation takes again
+    plain = solo(ids, 24)
+    penalized = dict(frequency_penalty=1.5, presence_penalty=0.5, repeat_penalty=1.3, repeat_last_n=32)
+    biased = {"logit_bias": {"101": 100}}
+    bodies = [dict(frequency_penalty=1.5, presence_penalty=0.5, extra_body={"repeat_penalty": 1.3, "repeat_last_n": 32}),
+              dict(extra_body=biased)]   # repeat_* are llama-server's fields: not in the client's signature
+    with ThreadPoolExecutor(2) as pool:
+        texts = list(pool.map(lambda kw: client.completions.create(model="m", prompt=ids, max_tokens=24, temperature=0,
+                                                                    **kw).choices[0].text, bodies))
+    assert texts[0] == solo(ids, 24, SamplerSettings(**penalized)) != plain
+    assert texts[1] == solo(ids, 24, SamplerSettings(logit_bias=((101, 100.0),))) != plain
 
 
 def test_seeded_sampling_is_reproducible_per_slot(client, solo):
@@ -206,15 +224,18 @@ def test_context_policy(client):
     (b'{"prompt": [1, 99999999]}', "token ids"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"),
     (b'{"prompt": "x", "n": 2}', "n"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "'presence_penalty' is not served"),
-    (b'{"prompt": "x", "frequency_penalty": -1}', "'frequency_penalty' is not served"),
-    (b'{"prompt": "x", "repeat_penalty": 1.1}', "'repeat_penalty' is not served"),
-    (b'{"prompt": "x", "logit_bias": {"5": -100}}', "'logit_bias' is not served"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "'presence_penalty' must be in [-2.0, 2.0]"),
+    (b'{"prompt": "x", "frequency_penalty": "high"}', "'frequency_penalty' must be a finite number"),
+    (b'{"prompt": "x", "repeat_penalty": 0}', "'repeat_penalty' must be in (0.0, 100.0]"),
+    (b'{"prompt": "x", "repeat_last_n": -1}', "'repeat_last_n' must be between 0"),
+    (b'{"prompt": "x", "logit_bias": {"5": -101}}', "'logit_bias' must be in [-100.0, 100.0]"),
+    (b'{"prompt": "x", "logit_bias": {"a5": 1}}', "'logit_bias': 'a5' is not a token id"),
+    (b'{"prompt": "x", "logit_bias": {"' + b"9" * 5000 + b'": 1}}', "is not a token id"),
+    (b'{"prompt": "x", "logit_bias": [[5, 1]]}', "'logit_bias' must be an object"),
     (b'{"prompt": "x", "best_of": 3}', "'best_of' is not served"),
     (b'{"prompt": "x", "echo": true}', "'echo' is not served"),
     (b'{"prompt": "x", "suffix": "end"}', "'suffix' is not served"),
     (b'{"prompt": "x", "grammar": "root ::= [a-z]+"}', "'grammar' is not served"),
-    (b'{"prompt": "x", "presence_penalty": "none"}', "'presence_penalty' is not served"),
     (b'{"prompt": "x", "logprobs": 99}', "logprobs"),
     (b'\xff\xfe', "UTF-8"),
     (b'{"prompt": "a\\udc80b"}', "a lone surrogate (0xdc80) at character 1"),
@@ -228,14 +249,14 @@ def test_bad_requests_are_400_with_an_openai_error(server, body, fragment):
 
 
 def test_unserved_fields_at_their_neutral_values_are_taken(client):
-    """A client's defaults for the fields this server does not serve (no penalty, no bias, plain
-    text, no tools) ask for nothing and are taken; the same fields asking for something are 400
+    """A client's defaults for the fields this server does not serve (plain text, no tools) ask
+    for nothing and are taken; the same fields asking for something are 400
     (above, and for chat below)."""
     r = client.completions.create(model="m", prompt=prompt_ids(5, 3), max_tokens=2, temperature=0,
-                                  presence_penalty=0, frequency_penalty=0.0, logit_bias={}, best_of=1, echo=False)
+                                  best_of=1, echo=False)
     assert r.usage.completion_tokens == 2
     c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       temperature=0, response_format={"type": "text"}, presence_penalty=0.0)
+                                       temperature=0, response_format={"type": "text"})
     assert c.usage.completion_tokens <= 2
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
