@@ -811,11 +811,12 @@ def test_load_test_tool(f32_fixture, tmp_path, solo):
     jobs = load_test.make_jobs(n, open_artifact(f32_fixture).geometry.n_vocab, (3, 120), (0, 40), 42)
     assert [len(j.prompt) for j in jobs] == [j["prompt_tokens"] for j in r["inputs"]["jobs"]]
     assert any(j.sampled for j in jobs) and any(j.stream for j in jobs) and any(j.stops for j in jobs)
+    assert any(j.penalized and j.sampled for j in jobs) and any(j.penalized and not j.sampled for j in jobs)
     assert len(r["samples"]["rounds"]) == 2
     for answers in (r["samples"]["solo"], *r["samples"]["rounds"]):
         for job, got in zip(jobs, answers, strict=True):
-            settings = SamplerSettings(temp=0.8, top_k=40, top_p=0.95, seed=job.seed) if job.sampled \
-                else SamplerSettings()
+            settings = job.settings()
+            assert settings.penalized == job.penalized and settings.temp == (0.8 if job.sampled else 0)
             assert got["error"] is None and got["text"] == cut_at_stops(solo(job.prompt, job.max_tokens, settings),
                                                                          job), (job, got)
     assert r["metrics"]["server_alive_after"] and r["metrics"]["rss_growth_after_warm_up_bytes"] is not None
@@ -856,10 +857,9 @@ def test_load_test_tool_on_other_geometries(tmp_path, name):
     tok = MuseTokenizer(model.artifact.vocabulary)
     for job, alone, loaded in zip(load_test.make_jobs(10, g.n_vocab, (3, 60), (0, 24), 7), r["samples"]["solo"],
                                   r["samples"]["rounds"][0], strict=True):
-        settings = SamplerSettings(temp=0.8, top_k=40, top_p=0.95, seed=job.seed) if job.sampled else SamplerSettings()
         cache = model.make_cache(len(job.prompt) + job.max_tokens + 1)
-        want = tok.decode(list(generate_tokens(model, cache, job.prompt, Sampler(settings), job.max_tokens,
-                                               tok.stop_ids)))
+        want = tok.decode(list(generate_tokens(model, cache, job.prompt, Sampler(job.settings(), job.prompt),
+                                               job.max_tokens, tok.stop_ids)))
         assert alone["text"] == loaded["text"] == cut_at_stops(want, job), (name, job)
 
 

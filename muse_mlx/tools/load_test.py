@@ -4,8 +4,9 @@ Issue 16 item 4. One server (`python -m muse_mlx.server`, `--parallel` slots, an
 model (default: the embedded one). `--requests` requests of random token ids with mixed prompt
 lengths (`--prompt-len LO:HI`) and output lengths (`--max-tokens LO:HI`): every third sampled
 (temperature 0.8, top-k 40, top-p 0.95, a seed of its own), the rest greedy; every other one
-streamed (with `stream_options.include_usage`); every fifth with stop strings ("er", a blank line); sent with the
-official `openai` client. First each
+streamed (with `stream_options.include_usage`); every fifth with stop strings ("er", a blank line); every
+seventh with penalties and a logit bias (frequency 0.5, presence 0.25, repeat 1.1 over the last 32
+tokens, +2 on one token); sent with the official `openai` client. First each
 request alone, one after another: its solo run. Then all of them, `--rounds` times over,
 `--concurrency` at a time (more than the slots: the rest wait in the server's queue, which is made
 at least that deep). Recorded for every request of every round: its error, if any; its text, finish
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,11 +44,14 @@ import numpy as np
 from .. import cli
 from ..cli import Parser
 from ..errors import MuseError
+from ..sampling import SamplerSettings
 from .live_server import Server, add_flags
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 SAMPLED_EXTRA = {"top_k": 40}   # not an OpenAI field: sent in the body as llama-server takes it
 STOPS = ["er", "\n\n"]           # every fifth request's stop strings
+PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.25}   # every seventh request's, with
+PENALTIES_EXTRA = {"repeat_penalty": 1.1, "repeat_last_n": 32}     # llama-server's fields, and a bias
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,21 @@ class Job:
     stream: bool
     seed: int
     stops: bool = False
+    penalized: bool = False
+
+    @property
+    def bias(self) -> dict:
+        """A penalized job's logit bias: +2 on one token below 256 (every vocabulary has its bytes)."""
+        return {str(self.index * 37 % 256): 2.0} if self.penalized else {}
+
+    def settings(self) -> SamplerSettings:
+        """The sampler settings the server is asked for (a solo run in process takes the same)."""
+        s = SamplerSettings(temp=SAMPLED["temperature"], top_p=SAMPLED["top_p"], top_k=SAMPLED_EXTRA["top_k"],
+                            seed=self.seed) if self.sampled else SamplerSettings()
+        if not self.penalized:
+            return s
+        return replace(s, **PENALTIES, **PENALTIES_EXTRA,
+                       logit_bias=tuple((int(t), b) for t, b in self.bias.items()))
 
 
 @dataclass
@@ -91,7 +110,7 @@ def make_jobs(n: int, n_vocab: int, prompt_len: tuple[int, int], max_tokens: tup
         length = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         jobs.append(Job(i, [int(t) for t in rng.integers(0, n_vocab, length)],
                         int(rng.integers(max_tokens[0], max_tokens[1] + 1)), i % 3 == 0, i % 2 == 0,
-                        int(rng.integers(0, 2**31)), i % 5 == 4))
+                        int(rng.integers(0, 2**31)), i % 5 == 4, i % 7 == 5))
     return jobs
 
 
@@ -100,10 +119,17 @@ def send(client, job: Job) -> Outcome:
     kw = dict(model="m", prompt=job.prompt, max_tokens=job.max_tokens, seed=job.seed)
     if job.stops:
         kw["stop"] = STOPS
+    extra = {}
     if job.sampled:
-        kw.update(SAMPLED, extra_body=SAMPLED_EXTRA)
+        kw.update(SAMPLED)
+        extra.update(SAMPLED_EXTRA)
     else:
         kw.update(temperature=0)
+    if job.penalized:
+        kw.update(PENALTIES, logit_bias=job.bias)
+        extra.update(PENALTIES_EXTRA)
+    if extra:
+        kw["extra_body"] = extra
     out = Outcome()
     t = time.perf_counter()
     try:
