@@ -70,9 +70,9 @@ class Sampler:
             raise ValueError("; ".join(problems))
         self.settings = settings
         self._key = mx.random.key(settings.seed % 2**64)   # any integer: taken modulo 2^64
-        self._history = [int(t) for t in history] if settings.penalized else []
+        self._n = len(history) if settings.penalized else 0   # tokens accepted: the prompt's, then every pick
+        self._window = np.asarray(history[-settings.repeat_last_n:] if self._n else [], dtype=np.int64)
         self._bias = self._counts = self._ring = None   # made at the first logits (their size is the vocabulary's)
-        self._n = 0   # tokens accepted (the prompt's, then every pick)
         self._started = False
 
     def _start(self, n_vocab: int) -> None:
@@ -87,16 +87,14 @@ class Sampler:
                 bias[token] += np.float32(b)
             self._bias = mx.array(bias)
         if s.penalized:
-            last = self._history[-s.repeat_last_n:]
-            if any(not 0 <= t < n_vocab for t in last):
+            last = self._window   # the prompt's last repeat_last_n tokens: positions n - len(last) .. n - 1
+            if last.size and not (0 <= last.min() and last.max() < n_vocab):
                 raise ValueError(f"a prompt token is not in the vocabulary of {n_vocab}")
-            self._counts = mx.array(np.bincount(np.array(last, dtype=np.int64), minlength=n_vocab).astype(np.float32))
-            self._n = n = len(self._history)
+            self._counts = mx.array(np.bincount(last, minlength=n_vocab).astype(np.float32))
             ring = np.zeros(s.repeat_last_n, dtype=np.int32)
-            for i in range(max(0, n - s.repeat_last_n), n):
-                ring[i % s.repeat_last_n] = self._history[i]
+            ring[np.arange(self._n - last.size, self._n) % s.repeat_last_n] = last
             self._ring = mx.array(ring)
-        self._history = []
+        self._window = None
         self._started = True
 
     def process(self, logits: mx.array) -> mx.array:
