@@ -677,7 +677,9 @@ class _AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def build(args) -> tuple[App, Scheduler]:
+def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
+    """The app and its scheduler from the command's arguments (config: the kernel values, parsed
+    from them when not given)."""
     from . import kvpack
     from .model import load
     from .prompt_cache import PromptCache
@@ -686,7 +688,8 @@ def build(args) -> tuple[App, Scheduler]:
     from .tools.fixtures import cache_dir
 
     model_path = args.model if args.model is not None else default_model_path()
-    config = KernelConfig.parse(getattr(args, "kernel_config", ""), getattr(args, "batch_invariant", False))
+    if config is None:
+        config = KernelConfig.parse(getattr(args, "kernel_config", ""), getattr(args, "batch_invariant", False))
     model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=config)
     g = model.geometry
     context = min(args.ctx_size or g.context_length, g.context_length)
@@ -739,7 +742,7 @@ def _command(argv=None) -> int:
     if not (args.kv_incoming_ttl >= 0 and math.isfinite(args.kv_incoming_ttl)):
         raise MuseError(f"--kv-incoming-ttl must be a finite number of seconds >= 0, got {args.kv_incoming_ttl}")
     config = KernelConfig.parse(args.kernel_config, args.batch_invariant)   # refused before the weights load
-    app, scheduler = build(args)
+    app, scheduler = build(args, config)
     import uvicorn
 
     scheduler.thread.start()
