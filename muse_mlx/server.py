@@ -525,10 +525,11 @@ class App:
         if len(ids) > context:
             raise BadRequest(f"the prompt is {len(ids):,} tokens, longer than the slot's context of {context:,} "
                              f"positions", "prompt" if not chat else "messages")
+        slot = _integer(body, "id_slot", -1, -1, len(self.scheduler.slots) - 1)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         req = Request(ids, max_tokens, sampling, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stop_strings=stops, logprobs=logprobs)
+                      stop_strings=stops, logprobs=logprobs, slot=None if slot < 0 else slot)
         try:
             self.scheduler.submit(req)
         except QueueFull as exc:
@@ -540,7 +541,7 @@ class App:
 
             return EventSourceResponse(self._stream(req, events, rid, created, chat, body),
                                        ping=15, send_timeout=30)
-        text, lps, finish, usage, timings = [], [], None, None, None
+        text, lps, finish, usage, timings, id_slot = [], [], None, None, None, None
         try:
             while finish is None:
                 try:
@@ -556,6 +557,7 @@ class App:
                     lps.append(ev)
                 text.append(ev.get("text", ""))
                 finish, usage, timings = ev.get("finish_reason"), ev.get("usage", usage), ev.get("timings", timings)
+                id_slot = ev.get("id_slot", id_slot)
         finally:
             if finish is None:
                 req.cancel()
@@ -570,13 +572,13 @@ class App:
             choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": [choice], "usage": usage, "timings": timings})
+                             "choices": [choice], "usage": usage, "timings": timings, "id_slot": id_slot})
 
     async def _stream(self, req: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, body: dict):
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
 
-        def chunk(delta_text=None, finish=None, ev=None, role=False, timings=None):
+        def chunk(delta_text=None, finish=None, ev=None, role=False, last=None):
             if chat:
                 delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
                 c = {"index": 0, "delta": delta, "finish_reason": finish}
@@ -587,8 +589,8 @@ class App:
                 if ev is not None and req.logprobs is not None:
                     c["logprobs"] = self._completion_lps([ev])
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
-            if timings is not None:   # the last chunk, as llama-server's
-                out["timings"] = timings
+            if last is not None:   # the last chunk, as llama-server's: the timings and the slot
+                out["timings"], out["id_slot"] = last.get("timings"), last.get("id_slot")
             return {"data": json.dumps(out)}
         finished = False
         try:
@@ -602,7 +604,7 @@ class App:
                     finished = True
                     break
                 if "finish_reason" in ev:
-                    yield chunk(finish=ev["finish_reason"], timings=ev.get("timings"))
+                    yield chunk(finish=ev["finish_reason"], last=ev)
                     if include_usage:
                         yield {"data": json.dumps({"id": rid, "object": obj, "created": created,
                                                    "model": self.model_name, "choices": [], "usage": ev["usage"]})}

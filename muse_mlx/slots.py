@@ -92,6 +92,7 @@ class Request:
     emit: Callable[[dict], None]
     stop_strings: list[str] = field(default_factory=list)
     logprobs: int | None = None          # None: off; k >= 0: the chosen token's and the top k
+    slot: int | None = None              # llama-server's id_slot: wait for this slot (None: any)
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -227,10 +228,16 @@ class Scheduler:
     def _idle(self) -> Slot | None:
         return next((s for s in self.slots if s.state == "idle"), None)
 
-    def _slot_for(self, request: Request) -> Slot:
-        """An idle slot holding a restored pack whose tokens the prompt extends, else any idle slot
-        that holds no restored pack, else any idle slot."""
+    def _slot_for(self, request: Request) -> Slot | None:
+        """The slot a request asked for, when idle; for any slot, an idle slot holding a restored
+        pack whose tokens the prompt extends, else any idle slot that holds no restored pack, else
+        any idle slot; None when there is none to take."""
+        if request.slot is not None:
+            slot = self.slots[request.slot]
+            return slot if slot.state == "idle" else None
         idle = [s for s in self.slots if s.state == "idle"]
+        if not idle:
+            return None
         n = len(request.prompt_ids)
         for slot in sorted(idle, key=lambda s: -len(s.tokens)):
             if slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
@@ -241,11 +248,15 @@ class Scheduler:
         for slot in self.slots:   # a client that went away frees its slot
             if slot.request is not None and slot.request.cancelled.is_set():
                 self._release(slot)
-        while self.waiting and self._idle():
+        while True:   # the first waiting request that has a slot (one asking for a busy slot waits)
             with self.wake:
-                request = self.waiting.popleft() if self.waiting else None
-            if request is not None and not request.cancelled.is_set():
-                self._admit(self._slot_for(request), request)
+                pick = next(((r, s) for r in self.waiting for s in [self._slot_for(r)] if s is not None), None)
+                if pick is not None:
+                    self.waiting.remove(pick[0])
+            if pick is None:
+                break
+            if not pick[0].cancelled.is_set():
+                self._admit(pick[1], pick[0])
         for slot in [s for s in self.slots if s.state == "prefill"]:
             self._prefill_chunk(slot)
         decoding = [s for s in self.slots if s.state == "decode"]
@@ -380,7 +391,8 @@ class Scheduler:
             request.emit({"finish_reason": reason, "usage": {
                 "prompt_tokens": len(request.prompt_ids), "completion_tokens": slot.generated,
                 "total_tokens": len(request.prompt_ids) + slot.generated,
-                "prompt_tokens_details": {"cached_tokens": slot.cached}}, "timings": self._timings(slot)})
+                "prompt_tokens_details": {"cached_tokens": slot.cached}}, "timings": self._timings(slot),
+                "id_slot": slot.index})
         self._release(slot)
 
     @staticmethod

@@ -153,6 +153,34 @@ def test_penalties_and_logit_bias_equal_the_solo_run(client, solo):
     assert texts[1] == solo(ids, 24, SamplerSettings(logit_bias=((101, 100.0),))) != plain
 
 
+def test_id_slot_pins_a_request_to_its_slot(server, solo):
+    """llama-server's id_slot: a request asking for a slot runs there, and its answer names the slot
+    (in the body, and in a stream's last chunk, as llama-server's); three requests asking for slot 0
+    at once wait for it in turn while one asking for any slot is served; every text equals its solo
+    run. A slot the server does not have is a 400."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = prompt_ids(9, 31)
+
+    def post(body):
+        return httpx.post(server + "/v1/completions", headers=h, timeout=120,
+                          json={"prompt": ids, "max_tokens": 6, "temperature": 0, **body})
+    for want in (1, 0, 1):
+        r = post({"id_slot": want})
+        assert r.status_code == 200 and r.json()["id_slot"] == want, r.text
+        assert r.json()["choices"][0]["text"] == solo(ids, 6)
+    with httpx.stream("POST", server + "/v1/completions", headers=h, timeout=120,
+                      json={"prompt": ids, "max_tokens": 6, "temperature": 0, "id_slot": 1, "stream": True}) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    assert chunks[-1]["id_slot"] == 1 and "".join(c["choices"][0]["text"] for c in chunks) == solo(ids, 6)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(post, [{"id_slot": 0}, {"id_slot": 0}, {}, {"id_slot": 0}]))
+    assert all(a.status_code == 200 and a.json()["choices"][0]["text"] == solo(ids, 6) for a in answers)
+    assert [a.json()["id_slot"] for a in answers][:2] + [answers[3].json()["id_slot"]] == [0, 0, 0]
+    for bad in (2, -2, "0", 1.0):
+        r = post({"id_slot": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text
+
+
 def test_seeded_sampling_is_reproducible_per_slot(client, solo):
     ids = prompt_ids(12, 3)
     kw = dict(model="m", prompt=ids, max_tokens=16, temperature=0.9, top_k=40, seed=11)
