@@ -145,6 +145,23 @@ def refuse_unserved(body: dict) -> None:
             raise BadRequest(f"'{name}' is not served here: leave it out (or send {neutral[0]!r})", name)
 
 
+def message_text(content) -> str:
+    """A chat message's content: a string, or OpenAI's list of text parts, joined by newlines as
+    llama.cpp joins them for a template that takes strings (common/chat.cpp). Other parts (images,
+    audio) are not served."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+        kinds = {p.get("type") for p in content}
+        if kinds == {"text"} and all(isinstance(p.get("text"), str) for p in content):
+            return "\n".join(p["text"] for p in content)
+        other = sorted(k for k in kinds - {"text"} if isinstance(k, str))
+        if other:
+            raise BadRequest(f"a message's {other[0][:40]!r} content part is not served here (text only)", "messages")
+    raise BadRequest("a message's 'content' must be a string or a list of {\"type\": \"text\", \"text\": ...} "
+                     "parts", "messages")
+
+
 def stops_of(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -470,11 +487,10 @@ class App:
             refuse_unserved(body)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise BadRequest("'messages' must be a list of {role, content} objects with string values", "messages")
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+                raise BadRequest("'messages' must be a list of {role, content} objects", "messages")
             try:
-                text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": message_text(m.get("content"))}
                                                            for m in messages])
             except MuseError as exc:
                 raise BadRequest(f"the chat template failed: {exc}", "messages") from None

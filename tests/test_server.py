@@ -296,8 +296,27 @@ def test_unserved_fields_at_their_neutral_values_are_taken(client):
     assert "'tools' is not served" in str(exc.value)
 
 
+def test_chat_content_as_text_parts(client):
+    """OpenAI's content as a list of text parts is the same prompt as the parts joined by newlines
+    (llama.cpp's rule for string templates); an image part is a 400 naming it."""
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a ring?"}]
+    kw = dict(model="m", max_tokens=8, temperature=0)
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": "What is\na ring?"}], **kw)
+    split = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **kw)
+    assert split.choices[0].message.content == joined.choices[0].message.content
+    assert split.usage.prompt_tokens == joined.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}], **kw)
+    assert "'image_url' content part is not served" in str(exc.value)
+
+
 def test_chat_bad_requests(server):
     for body in (b'{}', b'{"messages": [{"role": "user"}]}', b'{"messages": "hi"}',
+                 b'{"messages": [{"role": "user", "content": []}]}',
+                 b'{"messages": [{"role": "user", "content": [{"text": "x"}]}]}',
+                 b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+                 b'{"messages": [{"role": "user", "content": null}]}',
                  b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
                  b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'):
         r = httpx.post(server + "/v1/chat/completions", content=body, headers={"Authorization": f"Bearer {KEY}"})
