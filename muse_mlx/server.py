@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from . import cli
+from . import __version__, cli
 from .cli import Parser
 from .config import KernelConfig
 from .errors import MuseError
@@ -185,10 +185,10 @@ class App:
     """The HTTP side: validation, the request's event queue, the OpenAI response shapes."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None, model_id: dict,
-                 slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S):
+                 slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S, batch_invariant: bool = False):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
-        self.incoming_ttl_s = incoming_ttl_s
+        self.incoming_ttl_s, self.batch_invariant = incoming_ttl_s, batch_invariant
 
     @property
     def blob_max_bytes(self) -> int:
@@ -211,6 +211,7 @@ class App:
         from starlette.routing import Route
 
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/props", self.props, methods=["GET"]),
                   Route("/slots", self.slots, methods=["GET"]), Route("/slots/{id}", self.slot_action, methods=["POST"]),
                   Route("/kv/blobs", self.kv_blobs, methods=["GET"]),
                   Route("/kv/blobs/{name}", self.kv_put_blob, methods=["PUT"]),
@@ -250,6 +251,22 @@ class App:
 
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": 0, "owned_by": "muse_mlx"}]})
+
+    async def props(self, request):
+        """llama-server's /props, the part that applies: slots, context, the defaults a request's
+        sampling fields take (sampling_of with none given), the chat template, the kernel mode."""
+        from dataclasses import asdict
+
+        from starlette.responses import JSONResponse
+
+        defaults = asdict(sampling_of({}, self.scheduler.model.geometry.n_vocab))
+        defaults["temperature"] = defaults.pop("temp")
+        defaults["logit_bias"] = []
+        return JSONResponse({
+            "total_slots": len(self.scheduler.slots), "model_alias": self.model_name,
+            "default_generation_settings": {"n_ctx": self.scheduler.context, "params": defaults},
+            "chat_template": self.tokenizer.vocab.chat_template or "", "batch_invariant": self.batch_invariant,
+            "build_info": f"muse_mlx {__version__}"})
 
     async def slots(self, request):
         from starlette.responses import JSONResponse
@@ -721,7 +738,8 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
     if save_path is not None and not save_path.is_dir():
         raise MuseError(f"--slot-save-path {save_path}: not a folder")
     ttl = getattr(args, "kv_incoming_ttl", INCOMING_TTL_S)
-    app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path, ttl)
+    app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path, ttl,
+              bool(config.batch_invariant))
     return app, scheduler
 
 

@@ -97,6 +97,19 @@ def test_models_health_slots(server, client):
     assert [s["id"] for s in slots] == [0, 1] and all(s["n_ctx"] == CTX for s in slots)
 
 
+def test_props(server):
+    """llama-server's /props, the part that applies: the slots, each slot's context, the defaults
+    of a request's sampling fields (what a request that names none gets), the chat template; behind
+    the API key like the other routes but /health."""
+    assert httpx.get(server + "/props").status_code == 401
+    p = httpx.get(server + "/props", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert p["total_slots"] == 2 and p["default_generation_settings"]["n_ctx"] == CTX
+    params = p["default_generation_settings"]["params"]
+    assert params["temperature"] == 1.0 and params["top_k"] == 0 and params["repeat_last_n"] == 64
+    assert params["repeat_penalty"] == 1.0 and params["logit_bias"] == []
+    assert "{%" in p["chat_template"] and p["batch_invariant"] is False and p["build_info"].startswith("muse_mlx ")
+
+
 def test_completion_streaming_and_not_equal_the_solo_run(client, solo):
     ids = prompt_ids(20, 1)
     r = client.completions.create(model="m", prompt=ids, max_tokens=24, temperature=0)
