@@ -544,8 +544,12 @@ class App:
 
         context = self.scheduler.context
         default_max = context - len(ids)
-        max_tokens = _integer(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
-                              else "max_tokens", min(default_max, 4096) if chat else 16, 0, 1 << 30)
+        name = next((n for n in (*(("max_completion_tokens",) if chat else ()), "max_tokens", "n_predict")
+                     if body.get(n) is not None), "max_tokens")
+        max_tokens = _integer(body, name, min(default_max, 4096) if chat else 16, -1 if name == "n_predict" else 0,
+                              1 << 30)
+        if max_tokens < 0:   # llama-server's n_predict = -1: until the slot is full
+            max_tokens = default_max
         sampling = sampling_of(body, self.scheduler.model.geometry.n_vocab)
         stops = stops_of(body)
         if _integer(body, "n", 1, 1, 1) != 1:

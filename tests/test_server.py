@@ -244,6 +244,24 @@ def test_logprobs(client, f32_fixture):
     assert all(len(t.top_logprobs) == 2 for t in c.choices[0].logprobs.content)
 
 
+def test_n_predict_is_max_tokens(server, solo):
+    """llama-server's n_predict stands for max_tokens when max_tokens is not given (-1: until the
+    slot is full); below -1 it is a 400."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = prompt_ids(7, 41)
+    r = httpx.post(server + "/v1/completions", headers=h, timeout=120,
+                   json={"prompt": ids, "n_predict": 20, "temperature": 0}).json()
+    assert r["usage"]["completion_tokens"] == 20 and r["choices"][0]["text"] == solo(ids, 20)
+    r = httpx.post(server + "/v1/completions", headers=h, timeout=120,
+                   json={"prompt": prompt_ids(CTX - 4, 42), "n_predict": -1, "temperature": 0}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] <= 4
+    r = httpx.post(server + "/v1/completions", headers=h, json={"prompt": ids, "n_predict": -2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict"
+    r = httpx.post(server + "/v1/completions", headers=h, json={"prompt": ids, "max_tokens": 3, "n_predict": 9,
+                                                                "temperature": 0}).json()
+    assert r["usage"]["completion_tokens"] == 3
+
+
 def test_context_policy(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt=prompt_ids(CTX + 1, 6), max_tokens=1)
