@@ -87,6 +87,15 @@ def _number(body, name, default, lo=None, hi=None, lo_open=False):
     return float(v)
 
 
+def _boolean(body, name, default=False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return v
+
+
 def _integer(body, name, default, lo=None, hi=None):
     v = body.get(name, default)
     if v is None:
@@ -212,6 +221,8 @@ class App:
 
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
                   Route("/props", self.props, methods=["GET"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/slots", self.slots, methods=["GET"]), Route("/slots/{id}", self.slot_action, methods=["POST"]),
                   Route("/kv/blobs", self.kv_blobs, methods=["GET"]),
                   Route("/kv/blobs/{name}", self.kv_put_blob, methods=["PUT"]),
@@ -267,6 +278,50 @@ class App:
             "default_generation_settings": {"n_ctx": self.scheduler.context, "params": defaults},
             "chat_template": self.tokenizer.vocab.chat_template or "", "batch_invariant": self.batch_invariant,
             "build_info": f"muse_mlx {__version__}"})
+
+    async def tokenize(self, request):
+        """llama-server's /tokenize: {"content", "add_special" (the BOS), "with_pieces"} -> {"tokens"},
+        each token an id or, with pieces, {"id", "piece"}: the piece as text where its bytes are UTF-8,
+        else as the list of its bytes (llama-server's rule)."""
+        from starlette.responses import JSONResponse
+
+        try:
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            content = body.get("content")
+            if not isinstance(content, str):
+                raise BadRequest("'content' must be a string", "content")
+            add_special, pieces = (_boolean(body, name) for name in ("add_special", "with_pieces"))
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, content,
+                                                                       add_special)
+            except MuseError as exc:
+                raise BadRequest(f"the content: {exc}", "content") from None
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        if not pieces:
+            return JSONResponse({"tokens": ids})
+
+        def piece(i: int):
+            raw = self.tokenizer.token_bytes(i)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return list(raw)
+        return JSONResponse({"tokens": [{"id": i, "piece": piece(i)} for i in ids]})
+
+    async def detokenize(self, request):
+        """llama-server's /detokenize: {"tokens": [ids]} -> {"content"}."""
+        from starlette.responses import JSONResponse
+
+        try:
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            tokens, n_vocab = body.get("tokens"), self.scheduler.model.geometry.n_vocab
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab
+                                                       for t in tokens):
+                raise BadRequest(f"'tokens' must be a list of token ids in 0..{n_vocab - 1}", "tokens")
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        return JSONResponse({"content": self.tokenizer.decode(tokens)})
 
     async def slots(self, request):
         from starlette.responses import JSONResponse
@@ -512,9 +567,7 @@ class App:
             except MuseError as exc:
                 raise BadRequest(f"the chat template failed: {exc}", "messages") from None
             ids = await self._encode(text, False, "messages")
-            want = body.get("logprobs", False)
-            if not isinstance(want, bool):
-                raise BadRequest("'logprobs' must be a boolean", "logprobs")
+            want = _boolean(body, "logprobs")
             top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
             if top and not want:
                 raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -554,9 +607,7 @@ class App:
         stops = stops_of(body)
         if _integer(body, "n", 1, 1, 1) != 1:
             raise BadRequest("only n = 1 is served", "n")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("'stream' must be a boolean", "stream")
+        stream = _boolean(body, "stream")
         if not ids:
             raise BadRequest("the prompt is empty", "prompt" if not chat else "messages")
         if len(ids) > context:

@@ -110,6 +110,35 @@ def test_props(server):
     assert "{%" in p["chat_template"] and p["batch_invariant"] is False and p["build_info"].startswith("muse_mlx ")
 
 
+def test_tokenize_and_detokenize(server, f32_fixture):
+    """llama-server's /tokenize and /detokenize: the ids the in-process tokenizer gives (no BOS
+    unless add_special), pieces whose bytes rebuild the text, ids back to the text; bad bodies 400."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    text = "The ring holds café ☕ and 7 rows."
+
+    def post(route, body):
+        return httpx.post(server + route, headers=h, json=body)
+    r = post("/tokenize", {"content": text}).json()
+    assert r["tokens"] == tok.encode(text, add_bos=False)
+    with_bos = post("/tokenize", {"content": text, "add_special": True}).json()["tokens"]
+    assert with_bos == tok.encode(text, add_bos=True)
+    pieces = post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == r["tokens"]
+    raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert raw.decode() == text
+    assert post("/detokenize", {"tokens": r["tokens"]}).json()["content"] == text
+    for route, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", {}, "content"),
+                               ("/tokenize", {"content": "x", "with_pieces": "yes"}, "with_pieces"),
+                               ("/detokenize", {"tokens": [1, 10**9]}, "tokens"), ("/detokenize", {"tokens": "1"}, "tokens"),
+                               ("/detokenize", {"tokens": [True]}, "tokens")):
+        r = post(route, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
+    r = httpx.post(server + "/tokenize", headers=h, content=b'{"content": "a\\udc80"}')   # a lone surrogate
+    assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+    assert httpx.post(server + "/tokenize", json={"content": "x"}).status_code == 401
+
+
 def test_completion_streaming_and_not_equal_the_solo_run(client, solo):
     ids = prompt_ids(20, 1)
     r = client.completions.create(model="m", prompt=ids, max_tokens=24, temperature=0)
