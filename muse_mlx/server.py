@@ -3,7 +3,8 @@
     python -m muse_mlx.server --model X.gguf --parallel 4 --ctx-size 32768 [--host 127.0.0.1 --port 8080]
                               [--api-key KEY] [--queue 16] [--prompt-cache [DIR]] [--slot-save-path DIR]
 
-Routes: POST /v1/completions and /v1/chat/completions (streaming over SSE or not), GET /v1/models,
+Routes: POST /v1/completions and /v1/chat/completions (streaming over SSE or not), llama-server's
+POST /completion (its fields and answer), /tokenize, /detokenize and GET /props, GET /v1/models,
 GET /health, GET /slots, POST /slots/{id}?action=save|restore (body {"filename": NAME}, a kvpack
 under --slot-save-path). Built on Starlette + uvicorn + sse-starlette; the engine side is
 muse_mlx/slots.py. Errors are OpenAI-style bodies: 400 for a request that is wrong (naming the
@@ -138,12 +139,44 @@ def logit_bias_of(body: dict, n_vocab: int) -> tuple:
     return tuple(sorted(out))
 
 
+def logit_bias_pairs(pairs: list) -> dict:
+    """llama-server's list form of a logit bias, [[token id, bias], ...], as OpenAI's object (the
+    biases of a repeated id added, as llama.cpp applies each pair). Its `false` (never this token) is
+    not served: -100 is the bias that asks for that here."""
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' must hold at most {MAX_LOGIT_BIAS} pairs", "logit_bias")
+    out: dict[str, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+                and pair[0] >= 0):
+            raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs", "logit_bias")
+        if pair[1] is False:
+            raise BadRequest("'logit_bias': false (a ban) is not served here; a bias of -100 is", "logit_bias")
+        bias = _number({"logit_bias": pair[1]}, "logit_bias", 0.0, -100.0, 100.0)
+        out[str(pair[0])] = out.get(str(pair[0]), 0.0) + bias
+    return out
+
+
+def generation_settings(req: Request, stream: bool) -> dict:
+    """llama-server's `generation_settings` of an answer: the settings this request ran with."""
+    from dataclasses import asdict
+
+    out = asdict(req.sampling)
+    out["temperature"] = out.pop("temp")
+    out["logit_bias"] = [list(p) for p in req.sampling.logit_bias]
+    return {**out, "n_predict": req.max_tokens, "max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos,
+            "stop": list(req.stop_strings), "n_probs": req.logprobs or 0, "stream": stream}
+
+
 # Request fields of the OpenAI and llama-server APIs this server does not serve, each with the values
 # that ask for nothing (what a client sends by default): any other value is refused by name rather
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
     "grammar": ("",), "json_schema": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
+    "mirostat": (0,), "typical_p": (1.0, 1), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
+    "dry_multiplier": (0.0, 0), "top_n_sigma": (-1.0, -1), "post_sampling_probs": (False,),
 }
 
 
@@ -228,6 +261,8 @@ class App:
                   Route("/kv/blobs/{name}", self.kv_put_blob, methods=["PUT"]),
                   Route("/kv/packs/{filename}", self.kv_put_pack, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/completion", self.llama_completion, methods=["POST"]),
+                  Route("/completions", self.llama_completion, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"])]
 
         async def http_error(request, exc):
@@ -534,24 +569,91 @@ class App:
     # ---- completions ----
 
     async def completions(self, request):
+        """OpenAI's /v1/completions."""
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
             refuse_unserved(body)
-            prompt = body.get("prompt")
-            if isinstance(prompt, str):
-                ids = await self._encode(prompt, None, "prompt")
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in prompt):
-                n_vocab = self.scheduler.model.geometry.n_vocab
-                if not all(0 <= t < n_vocab for t in prompt):
-                    raise BadRequest(f"'prompt' token ids must be in 0..{n_vocab - 1}", "prompt")
-                ids = list(prompt)
-            else:
-                raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+            ids = await self._prompt_ids(body.get("prompt"))
             logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
             return await self._serve(request, body, ids, logprobs, chat=False)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
+
+    async def llama_completion(self, request):
+        """llama-server's own /completion (and /completions): its request fields (`n_predict`,
+        `n_probs`, `return_tokens`, `id_slot`, a logit bias as [id, bias] pairs, ...) and its answer:
+        `content`, `stop`, `stop_type`, `tokens_predicted`, ... (server-task.cpp's
+        to_json_non_oaicompat); a stream is one JSON object an event, the last one with `stop`
+        true and no `[DONE]` after it."""
+        try:
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            refuse_unserved(body)
+            if isinstance(body.get("logit_bias"), list):   # llama-server's [[id, bias], ...]
+                body = {**body, "logit_bias": logit_bias_pairs(body["logit_bias"])}
+            ids = await self._prompt_ids(body.get("prompt"))
+            n_probs = _integer(body, "n_probs", 0, 0, MAX_TOP_LOGPROBS)
+            stream, return_tokens = _boolean(body, "stream"), _boolean(body, "return_tokens")
+            req, events = self._submit(body, ids, n_probs if n_probs else None, chat=False)
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        except QueueFull as exc:
+            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
+        prompt_text = await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.decode, ids)
+        settings = generation_settings(req, stream)
+
+        def final(ev: dict, content: str, tokens: list[int], probs: list[dict] | None) -> dict:
+            usage = ev["usage"]
+            out = {"index": 0, "content": content, "tokens": tokens, "id_slot": ev.get("id_slot"), "stop": True,
+                   "model": self.model_name, "tokens_predicted": usage["completion_tokens"],
+                   "tokens_evaluated": usage["prompt_tokens"], "generation_settings": settings,
+                   "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,
+                   "stop_type": ev["stop_type"], "stopping_word": ev["stopping_word"],
+                   "tokens_cached": usage["prompt_tokens"] + usage["completion_tokens"], "timings": ev["timings"]}
+            if probs:
+                out["completion_probabilities"] = probs
+            return out
+
+        if stream:
+            from sse_starlette.sse import EventSourceResponse
+
+            async def chunks():
+                finished, n, prompt_n = False, 0, len(ids)
+                try:
+                    while True:
+                        ev = await events.get()
+                        if "error" in ev:
+                            yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
+                                                                 "code": 500}})}
+                            finished = True
+                            return
+                        if "finish_reason" in ev:
+                            yield {"data": json.dumps(final(ev, "", [], None))}
+                            finished = True
+                            return
+                        if "token" in ev:
+                            n += 1
+                        if ev.get("text") or "token" in ev:
+                            out = {"index": 0, "content": ev.get("text", ""),
+                                   "tokens": [ev["token"]] if "token" in ev else [], "stop": False,
+                                   "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": prompt_n}
+                            if "token" in ev and req.logprobs is not None:
+                                out["completion_probabilities"] = [self._llama_prob(ev)]
+                            yield {"data": json.dumps(out)}
+                finally:
+                    if not finished:
+                        req.cancel()   # the client went away: the slot is freed at the next step
+            return EventSourceResponse(chunks(), ping=15, send_timeout=30)
+
+        from starlette.responses import JSONResponse
+
+        got = await self._collect(request, req, events)
+        if not isinstance(got, tuple):
+            return got
+        evs, last = got
+        tokens = [e["token"] for e in evs if "token" in e]
+        probs = [self._llama_prob(e) for e in evs if "token" in e] if req.logprobs is not None else None
+        return JSONResponse(final(last, "".join(e.get("text", "") for e in evs), tokens if return_tokens else [],
+                                  probs))
 
     async def chat(self, request):
         try:
@@ -592,9 +694,38 @@ class App:
         except MuseError as exc:   # not Unicode (a lone surrogate from a JSON escape)
             raise BadRequest(f"the {param}: {exc}", param) from None
 
-    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool):
-        from starlette.responses import JSONResponse
+    async def _prompt_ids(self, prompt) -> list[int]:
+        """A completion's prompt, as llama-server takes one: a string (tokenized with the model's
+        BOS rule), a list of token ids, or one list mixing ids and strings (only a string at its
+        start gets the BOS; server-common.cpp's tokenize_mixed); a list holding one of these is it.
+        A list of several strings or lists is several prompts: one a request is served."""
+        n_vocab = self.scheduler.model.geometry.n_vocab
 
+        def is_id(p) -> bool:
+            return isinstance(p, int) and not isinstance(p, bool)
+        if isinstance(prompt, str):
+            return await self._encode(prompt, None, "prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return await self._prompt_ids(prompt[0])
+        if isinstance(prompt, list) and prompt and any(is_id(p) for p in prompt) and \
+                all(is_id(p) or isinstance(p, str) for p in prompt):
+            ids: list[int] = []
+            for i, p in enumerate(prompt):
+                if isinstance(p, str):
+                    ids += await self._encode(p, None if i == 0 else False, "prompt")
+                elif not 0 <= p < n_vocab:
+                    raise BadRequest(f"'prompt' token ids must be in 0..{n_vocab - 1}, got {p}", "prompt")
+                else:
+                    ids.append(p)
+            return ids
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise BadRequest(f"'prompt' holds {len(prompt)} prompts; one a request is served", "prompt")
+        raise BadRequest("'prompt' must be a string, a list of token ids, or a list of token ids and strings",
+                         "prompt")
+
+    def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool) -> tuple[Request, asyncio.Queue]:
+        """The request's fields read and checked (BadRequest names the one that is wrong), then the
+        request queued for a slot (QueueFull when the queue is)."""
         context = self.scheduler.context
         default_max = context - len(ids)
         name = next((n for n in (*(("max_completion_tokens",) if chat else ()), "max_tokens", "n_predict")
@@ -607,7 +738,9 @@ class App:
         stops = stops_of(body)
         if _integer(body, "n", 1, 1, 1) != 1:
             raise BadRequest("only n = 1 is served", "n")
-        stream = _boolean(body, "stream")
+        _boolean(body, "stream")
+        _boolean(body, "cache_prompt", True)   # llama-server's: a prompt's reuse here is automatic
+        ignore_eos = _boolean(body, "ignore_eos")
         if not ids:
             raise BadRequest("the prompt is empty", "prompt" if not chat else "messages")
         if len(ids) > context:
@@ -617,40 +750,57 @@ class App:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         req = Request(ids, max_tokens, sampling, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stop_strings=stops, logprobs=logprobs, slot=None if slot < 0 else slot)
-        try:
-            self.scheduler.submit(req)
-        except QueueFull as exc:
-            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        if stream:
-            from sse_starlette.sse import EventSourceResponse
+                      stop_strings=stops, logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos)
+        self.scheduler.submit(req)
+        return req, events
 
-            return EventSourceResponse(self._stream(req, events, rid, created, chat, body),
-                                       ping=15, send_timeout=30)
-        text, lps, finish, usage, timings, id_slot = [], [], None, None, None, None
+    async def _collect(self, http, req: Request, events: asyncio.Queue):
+        """A request's events up to its end: (the token and text events, the finishing event), or
+        the response to give instead (the engine's error; 499 when the client went away)."""
+        from starlette.responses import JSONResponse
+
+        evs: list[dict] = []
+        ended = False
         try:
-            while finish is None:
+            while True:
                 try:
                     ev = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
-                        req.cancel()
                         return JSONResponse({}, status_code=499)
                     continue
                 if "error" in ev:
+                    ended = True
                     return self.error(ev["error"], 500, None, "server_error")
-                if "token" in ev:
-                    lps.append(ev)
-                text.append(ev.get("text", ""))
-                finish, usage, timings = ev.get("finish_reason"), ev.get("usage", usage), ev.get("timings", timings)
-                id_slot = ev.get("id_slot", id_slot)
+                if "finish_reason" in ev:
+                    ended = True
+                    return evs, ev
+                evs.append(ev)
         finally:
-            if finish is None:
+            if not ended:   # the client went away (or this task was cancelled): free the slot
                 req.cancel()
-        content = "".join(text)
-        choice = {"index": 0, "finish_reason": finish}
+
+    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool):
+        from starlette.responses import JSONResponse
+
+        try:
+            req, events = self._submit(body, ids, logprobs, chat)
+        except QueueFull as exc:
+            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if _boolean(body, "stream"):
+            from sse_starlette.sse import EventSourceResponse
+
+            return EventSourceResponse(self._stream(req, events, rid, created, chat, body),
+                                       ping=15, send_timeout=30)
+        got = await self._collect(http, req, events)
+        if not isinstance(got, tuple):
+            return got
+        evs, last = got
+        lps = [e for e in evs if "token" in e]
+        content = "".join(e.get("text", "") for e in evs) + last.get("text", "")
+        choice = {"index": 0, "finish_reason": last["finish_reason"]}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
             choice["logprobs"] = {"content": [self._chat_lp(e) for e in lps]} if logprobs is not None else None
@@ -660,7 +810,8 @@ class App:
             choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": [choice], "usage": usage, "timings": timings, "id_slot": id_slot})
+                             "choices": [choice], "usage": last["usage"], "timings": last["timings"],
+                             "id_slot": last.get("id_slot")})
 
     async def _stream(self, req: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, body: dict):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -708,6 +859,15 @@ class App:
     def _token_text(self, token: int) -> tuple[str, list[int]]:
         raw = self.tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _llama_prob(self, ev: dict) -> dict:
+        """A token's entry of llama-server's `completion_probabilities` (log-probs of the model's
+        distribution before sampling, its post_sampling_probs = false)."""
+        def entry(t: int, lp: float) -> dict:
+            text, raw = self._token_text(t)
+            return {"id": t, "token": text, "bytes": raw, "logprob": lp}
+        return {**entry(ev["token"], ev["logprob"]),
+                "top_logprobs": [entry(t, lp) for t, lp in ev.get("top_logprobs", [])]}
 
     def _chat_lp(self, ev: dict) -> dict:
         text, raw = self._token_text(ev["token"])

@@ -13,7 +13,9 @@ One thread owns the model and every MLX call (`Scheduler.run`). Each loop:
 
 Requests hear back through `emit` (called from this thread; the HTTP side makes it thread-safe):
 `{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
-`{"finish_reason": "stop" | "length", "usage": {...}, "timings": {...}}`, or `{"error": message}`.
+`{"finish_reason": "stop" | "length", "stop_type": "eos" | "word" | "limit", "stopping_word": str,
+"usage": {...}, "timings": {...}, "id_slot": n}`, or `{"error": message}` (stop_type and stopping_word
+are llama-server's: a stop token, a stop string (the one matched), a length limit).
 A request cancelled by its client (`cancel()`) frees its slot at the next loop. `timings` are
 llama-server's: the prompt tokens taken from the prompt cache (`cache_n`) and prefilled
 (`prompt_n`) and the time from admission to the first token's logits (`prompt_ms`, with the
@@ -52,13 +54,14 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.word = ""   # the stop string found, once one is
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found)."""
         self.pending += text
         hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
         if hits:
-            at = min(i for i, _ in hits)
+            at, self.word = min(hits, key=lambda h: h[0])   # the earliest; a tie, the first listed (llama-server)
             out, self.pending = self.pending[:at], ""
             return out, True
         hold = max((_overlap(self.pending, s) for s in self.stops), default=0)
@@ -93,6 +96,7 @@ class Request:
     stop_strings: list[str] = field(default_factory=list)
     logprobs: int | None = None          # None: off; k >= 0: the chosen token's and the top k
     slot: int | None = None              # llama-server's id_slot: wait for this slot (None: any)
+    ignore_eos: bool = False             # llama-server's: the stop tokens are sampled as any other
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -360,7 +364,7 @@ class Scheduler:
             if not bool(finite.item()):
                 self._finish(slot, error=str(NonFiniteError(slot.cache.offset - 1 - fed)))
                 continue
-            if t in self.tokenizer.stop_ids:
+            if t in self.tokenizer.stop_ids and not slot.request.ignore_eos:
                 self._finish(slot, "stop")
                 continue
             slot.generated += 1
@@ -388,7 +392,10 @@ class Scheduler:
                 tail += "" if stopped else slot.stop.flush()
                 if tail:
                     request.emit({"text": tail})
-            request.emit({"finish_reason": reason, "usage": {
+                if stopped:   # the tail ended on a stop string: that is why the request ends
+                    reason = "stop"
+            kind = "limit" if reason == "length" else "word" if slot.stop.word else "eos"
+            request.emit({"finish_reason": reason, "stop_type": kind, "stopping_word": slot.stop.word, "usage": {
                 "prompt_tokens": len(request.prompt_ids), "completion_tokens": slot.generated,
                 "total_tokens": len(request.prompt_ids) + slot.generated,
                 "prompt_tokens_details": {"cached_tokens": slot.cached}}, "timings": self._timings(slot),

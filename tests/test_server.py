@@ -291,6 +291,130 @@ def test_n_predict_is_max_tokens(server, solo):
     assert r["usage"]["completion_tokens"] == 3
 
 
+def test_llama_server_completion_route(server, solo, f32_fixture):
+    """llama-server's own /completion (and /completions): its answer's fields (content, tokens
+    with return_tokens, stop, stop_type, tokens_predicted and _evaluated, generation_settings,
+    timings), streamed as one object an event with no [DONE], the last with stop true; each text
+    equal to the solo run's."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = prompt_ids(11, 61)
+
+    def post(body, route="/completion"):
+        return httpx.post(server + route, headers=h, timeout=120, json={"prompt": ids, "temperature": 0, **body})
+    r = post({"n_predict": 12, "return_tokens": True})
+    assert r.status_code == 200, r.text
+    a = r.json()
+    assert a["content"] == solo(ids, 12) and a["tokens"] == solo(ids, 12, as_ids=True)
+    assert (a["stop"], a["stop_type"], a["stopping_word"]) == (True, "limit", "")
+    assert (a["tokens_predicted"], a["tokens_evaluated"], a["tokens_cached"]) == (12, 11, 23)
+    assert a["generation_settings"]["n_predict"] == 12 and a["generation_settings"]["temperature"] == 0
+    assert a["timings"]["predicted_n"] == 12 and a["id_slot"] in (0, 1) and a["has_new_line"] == ("\n" in a["content"])
+    assert "completion_probabilities" not in a
+    b = post({"n_predict": 12}, "/completions").json()
+    assert b["content"] == a["content"] and b["tokens"] == []
+    with httpx.stream("POST", server + "/completion", headers=h, timeout=120,
+                      json={"prompt": ids, "temperature": 0, "n_predict": 12, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert not any("[DONE]" in line for line in lines)
+    chunks = [json.loads(line[5:]) for line in lines]
+    assert [c["stop"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert "".join(c["content"] for c in chunks) == a["content"]
+    assert [t for c in chunks[:-1] for t in c["tokens"]] == a["tokens"]
+    assert chunks[-1]["content"] == "" and chunks[-1]["stop_type"] == "limit" and chunks[-1]["tokens_predicted"] == 12
+    # a stop string: the answer ends before it, and names it
+    full = a["content"]
+    word = full[5:9]
+    w = post({"n_predict": 12, "stop": ["\x00never", word]}).json()
+    assert (w["content"], w["stop_type"], w["stopping_word"]) == (full[:full.index(word)], "word", word)
+    # the stop token: forced by a bias it ends the answer at once ("eos"); with ignore_eos it is sampled as any
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    eos = min(tok.stop_ids)
+    e = post({"n_predict": 5, "logit_bias": [[eos, 100]]}).json()
+    assert (e["stop_type"], e["tokens_predicted"], e["content"]) == ("eos", 0, "")
+    e = post({"n_predict": 5, "logit_bias": [[eos, 100]], "ignore_eos": True, "return_tokens": True}).json()
+    assert (e["stop_type"], e["tokens_predicted"], e["tokens"]) == ("limit", 5, [eos] * 5)
+    # llama-server's list form of a logit bias is OpenAI's object form (a repeated id's biases added)
+    listed = post({"n_predict": 10, "logit_bias": [[101, 60], [101, 40]]}).json()["content"]
+    assert listed == solo(ids, 10, SamplerSettings(logit_bias=((101, 100.0),))) != solo(ids, 10)
+
+
+def test_llama_server_completion_probabilities(server, f32_fixture):
+    """/completion's n_probs: each token's entry (id, text, bytes, log-prob) and the top n, against
+    a float64 log-softmax of the model's logits (teacher-forced in process), most likely first."""
+    from muse_mlx.tools.oracle import log_softmax
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = prompt_ids(10, 62)
+    a = httpx.post(server + "/completion", headers=h, timeout=120,
+                   json={"prompt": ids, "temperature": 0, "n_predict": 5, "n_probs": 3, "return_tokens": True}).json()
+    probs = a["completion_probabilities"]
+    assert [p["id"] for p in probs] == a["tokens"] and len(probs) == 5
+    model = load(f32_fixture, backend="reference")
+    logits = np.array(model.prefill(ids + a["tokens"][:-1], model.make_cache(CTX), all_logits=True), dtype=np.float64)
+    want = log_softmax(logits[len(ids) - 1:])
+    for step, p in enumerate(probs):
+        assert abs(p["logprob"] - want[step, p["id"]]) < 1e-5
+        top = np.argsort(-want[step], kind="stable")[:3]
+        assert [t["id"] for t in p["top_logprobs"]] == [int(i) for i in top]
+        assert np.allclose([t["logprob"] for t in p["top_logprobs"]], want[step, top], atol=1e-5)
+        assert p["top_logprobs"][0]["id"] == p["id"]   # greedy: the most likely is the one taken
+        assert bytes(p["bytes"]).decode("utf-8", "replace") == p["token"]
+    with httpx.stream("POST", server + "/completion", headers=h, timeout=120,
+                      json={"prompt": ids, "temperature": 0, "n_predict": 5, "n_probs": 3, "stream": True}) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert [c["completion_probabilities"] for c in chunks[:-1]] == [[p] for p in probs]
+
+
+def test_mixed_prompts(server, solo, f32_fixture):
+    """llama-server's prompt forms, on /completion and /v1/completions alike: ids and strings mixed
+    in one list (only a string at its start takes the BOS), a list holding one prompt; several
+    prompts in one request are refused by name."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    head, tail = prompt_ids(6, 63), prompt_ids(4, 64)
+    mixed = head + [" a ring"] + tail
+    ids = head + tok.encode(" a ring", False) + tail
+    for route, field in (("/completion", "content"), ("/v1/completions", None)):
+        for prompt in (mixed, [mixed]):
+            r = httpx.post(server + route, headers=h, timeout=120,
+                           json={"prompt": prompt, "temperature": 0, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            text = r.json()[field] if field else r.json()["choices"][0]["text"]
+            assert text == solo(ids, 8)
+    led = ["The ring", 7, 8]
+    r = httpx.post(server + "/completion", headers=h, timeout=120,
+                   json={"prompt": led, "temperature": 0, "n_predict": 4}).json()
+    assert r["tokens_evaluated"] == len(tok.encode("The ring")) + 2
+    for bad in (["one", "two"], [[1, 2], [3]], [1, "x", None], [1, 10**9], [], [True, 2]):
+        r = httpx.post(server + "/completion", headers=h, json={"prompt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n_probs": 21}, "n_probs"), ({"n_probs": -1}, "n_probs"), ({"return_tokens": 1}, "return_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"), ({"cache_prompt": 0}, "cache_prompt"),
+    ({"logit_bias": [[1, False]]}, "logit_bias"), ({"logit_bias": [[1]]}, "logit_bias"),
+    ({"logit_bias": [["a", 1]]}, "logit_bias"), ({"logit_bias": [[1, 101]]}, "logit_bias"),
+    ({"logit_bias": [[1, 60], [1, 60]]}, "logit_bias"), ({"logit_bias": [[10**6, 1]]}, "logit_bias"),
+    ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 2}, "mirostat"),
+    ({"typical_p": 0.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"xtc_probability": 0.5}, "xtc_probability"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
+    ({"dynatemp_range": 0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
+])
+def test_llama_server_completion_bad_requests(server, body, param):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server + "/completion", headers=h, json={"prompt": [1, 2, 3], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_llama_server_samplers_at_their_off_values_are_taken(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    off = {"mirostat": 0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0, "top_n_sigma": -1.0,
+           "dynatemp_range": 0.0, "post_sampling_probs": False, "cache_prompt": True, "n_predict": 2}
+    r = httpx.post(server + "/completion", headers=h, timeout=120, json={"prompt": [1, 2, 3], **off})
+    assert r.status_code == 200 and r.json()["tokens_predicted"] <= 2, r.text
+
+
 def test_context_policy(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt=prompt_ids(CTX + 1, 6), max_tokens=1)
