@@ -4,6 +4,7 @@
 # from .device/llama-src.tar.xz (the trimmed vendored tree of llama-cpp-python 0.3.36);
 # /tmp/llama/build.rc holds its exit status when done (~6 minutes on 16 cores).
 cd "$(dirname "$0")/../.."
+[ -d /tmp/llama/llama.cpp ] && { echo "llama.cpp's build already started on this machine"; exit 0; }
 mkdir -p /tmp/llama && tar xJf .device/llama-src.tar.xz -C /tmp/llama || exit 1
 setsid bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
