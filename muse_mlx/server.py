@@ -22,6 +22,7 @@ import math
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from . import __version__, cli
@@ -32,6 +33,7 @@ from .sampling import SamplerSettings
 from .slots import QueueFull, Request, Scheduler
 
 MAX_STOP_STRINGS, MAX_TOP_LOGPROBS = 16, 20
+MAX_CHOICES = 8   # a request's `n`: each choice takes a slot (or waits for one) as a request of its own
 # A stop string's characters at most: the engine thread matches every stop string against the text
 # each token (slots.StopMatcher), so its length bounds what one request can cost every slot.
 MAX_STOP_CHARS = 4096
@@ -155,6 +157,14 @@ def logit_bias_pairs(pairs: list) -> dict:
         bias = _number({"logit_bias": pair[1]}, "logit_bias", 0.0, -100.0, 100.0)
         out[str(pair[0])] = out.get(str(pair[0]), 0.0) + bias
     return out
+
+
+def _usage(lasts: list[dict]) -> dict:
+    """A request's usage over its choices: the prompt counted once, as OpenAI counts it."""
+    prompt, cached = lasts[0]["usage"]["prompt_tokens"], lasts[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    completion = sum(last["usage"]["completion_tokens"] for last in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def generation_settings(req: Request, stream: bool) -> dict:
@@ -593,7 +603,7 @@ class App:
             ids = await self._prompt_ids(body.get("prompt"))
             n_probs = _integer(body, "n_probs", 0, 0, MAX_TOP_LOGPROBS)
             stream, return_tokens = _boolean(body, "stream"), _boolean(body, "return_tokens")
-            req, events = self._submit(body, ids, n_probs if n_probs else None, chat=False)
+            (req,), events = self._submit(body, ids, n_probs if n_probs else None, chat=False, n_max=1)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         except QueueFull as exc:
@@ -620,7 +630,7 @@ class App:
                 finished, n, prompt_n = False, 0, len(ids)
                 try:
                     while True:
-                        ev = await events.get()
+                        _, ev = await events.get()
                         if "error" in ev:
                             yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
                                                                  "code": 500}})}
@@ -646,10 +656,10 @@ class App:
 
         from starlette.responses import JSONResponse
 
-        got = await self._collect(request, req, events)
-        if not isinstance(got, tuple):
+        got = await self._collect(request, [req], events)
+        if not isinstance(got, list):
             return got
-        evs, last = got
+        (evs, last), = got
         tokens = [e["token"] for e in evs if "token" in e]
         probs = [self._llama_prob(e) for e in evs if "token" in e] if req.logprobs is not None else None
         return JSONResponse(final(last, "".join(e.get("text", "") for e in evs), tokens if return_tokens else [],
@@ -723,9 +733,12 @@ class App:
         raise BadRequest("'prompt' must be a string, a list of token ids, or a list of token ids and strings",
                          "prompt")
 
-    def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool) -> tuple[Request, asyncio.Queue]:
-        """The request's fields read and checked (BadRequest names the one that is wrong), then the
-        request queued for a slot (QueueFull when the queue is)."""
+    def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool,
+                n_max: int = MAX_CHOICES) -> tuple[list[Request], asyncio.Queue]:
+        """The request's fields read and checked (BadRequest names the one that is wrong), then its
+        `n` choices queued for slots (QueueFull when the queue is: none of them then stays). Choice i
+        samples with the seed plus i (one seed, n different samples, each reproducible). Their
+        events arrive on one queue as (choice, event)."""
         context = self.scheduler.context
         default_max = context - len(ids)
         name = next((n for n in (*(("max_completion_tokens",) if chat else ()), "max_tokens", "n_predict")
@@ -736,8 +749,7 @@ class App:
             max_tokens = default_max
         sampling = sampling_of(body, self.scheduler.model.geometry.n_vocab)
         stops = stops_of(body)
-        if _integer(body, "n", 1, 1, 1) != 1:
-            raise BadRequest("only n = 1 is served", "n")
+        n = _integer(body, "n", 1, 1, n_max)
         _boolean(body, "stream")
         _boolean(body, "cache_prompt", True)   # llama-server's: a prompt's reuse here is automatic
         ignore_eos = _boolean(body, "ignore_eos")
@@ -749,42 +761,53 @@ class App:
         slot = _integer(body, "id_slot", -1, -1, len(self.scheduler.slots) - 1)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        req = Request(ids, max_tokens, sampling, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      stop_strings=stops, logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos)
-        self.scheduler.submit(req)
-        return req, events
+        reqs = [Request(ids, max_tokens, replace(sampling, seed=sampling.seed + i),
+                        lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
+                        logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos) for i in range(n)]
+        try:
+            for req in reqs:
+                self.scheduler.submit(req)
+        except QueueFull:
+            for req in reqs:
+                req.cancel()
+            raise
+        return reqs, events
 
-    async def _collect(self, http, req: Request, events: asyncio.Queue):
-        """A request's events up to its end: (the token and text events, the finishing event), or
-        the response to give instead (the engine's error; 499 when the client went away)."""
+    async def _collect(self, http, reqs: list[Request], events: asyncio.Queue):
+        """The choices' events up to their ends: per choice (its token and text events, its
+        finishing event), or the response to give instead (the engine's error; 499 when the client
+        went away)."""
         from starlette.responses import JSONResponse
 
-        evs: list[dict] = []
+        evs: list[list[dict]] = [[] for _ in reqs]
+        last: list[dict | None] = [None] * len(reqs)
         ended = False
         try:
-            while True:
+            while not all(last):
                 try:
-                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                    i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
                         return JSONResponse({}, status_code=499)
                     continue
                 if "error" in ev:
-                    ended = True
                     return self.error(ev["error"], 500, None, "server_error")
                 if "finish_reason" in ev:
-                    ended = True
-                    return evs, ev
-                evs.append(ev)
+                    last[i] = ev
+                else:
+                    evs[i].append(ev)
+            ended = True
+            return list(zip(evs, last))
         finally:
-            if not ended:   # the client went away (or this task was cancelled): free the slot
-                req.cancel()
+            if not ended:   # an error, the client went away, or this task was cancelled: free the slots
+                for req in reqs:
+                    req.cancel()
 
     async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool):
         from starlette.responses import JSONResponse
 
         try:
-            req, events = self._submit(body, ids, logprobs, chat)
+            reqs, events = self._submit(body, ids, logprobs, chat)
         except QueueFull as exc:
             return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -792,69 +815,79 @@ class App:
         if _boolean(body, "stream"):
             from sse_starlette.sse import EventSourceResponse
 
-            return EventSourceResponse(self._stream(req, events, rid, created, chat, body),
+            return EventSourceResponse(self._stream(reqs, events, rid, created, chat, body),
                                        ping=15, send_timeout=30)
-        got = await self._collect(http, req, events)
-        if not isinstance(got, tuple):
+        got = await self._collect(http, reqs, events)
+        if not isinstance(got, list):
             return got
-        evs, last = got
-        lps = [e for e in evs if "token" in e]
-        content = "".join(e.get("text", "") for e in evs) + last.get("text", "")
-        choice = {"index": 0, "finish_reason": last["finish_reason"]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-            choice["logprobs"] = {"content": [self._chat_lp(e) for e in lps]} if logprobs is not None else None
-            obj = "chat.completion"
-        else:
-            choice["text"] = content
-            choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": [choice], "usage": last["usage"], "timings": last["timings"],
-                             "id_slot": last.get("id_slot")})
+        choices = []
+        for index, (evs, last) in enumerate(got):
+            lps = [e for e in evs if "token" in e]
+            content = "".join(e.get("text", "") for e in evs)
+            choice = {"index": index, "finish_reason": last["finish_reason"]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": content}
+                choice["logprobs"] = {"content": [self._chat_lp(e) for e in lps]} if logprobs is not None else None
+            else:
+                choice["text"] = content
+                choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
+            if len(got) > 1:   # each choice's own slot and timings
+                choice["id_slot"], choice["timings"] = last.get("id_slot"), last["timings"]
+            choices.append(choice)
+        lasts = [last for _, last in got]
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+               "model": self.model_name, "choices": choices, "usage": _usage(lasts)}
+        if len(got) == 1:
+            out["timings"], out["id_slot"] = lasts[0]["timings"], lasts[0].get("id_slot")
+        return JSONResponse(out)
 
-    async def _stream(self, req: Request, events: asyncio.Queue, rid: str, created: int, chat: bool, body: dict):
+    async def _stream(self, reqs: list[Request], events: asyncio.Queue, rid: str, created: int, chat: bool,
+                      body: dict):
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+        logprobs = reqs[0].logprobs
 
-        def chunk(delta_text=None, finish=None, ev=None, role=False, last=None):
+        def chunk(index, delta_text=None, finish=None, ev=None, role=False, last=None):
             if chat:
                 delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
-                c = {"index": 0, "delta": delta, "finish_reason": finish}
-                if ev is not None and req.logprobs is not None:
+                c = {"index": index, "delta": delta, "finish_reason": finish}
+                if ev is not None and logprobs is not None:
                     c["logprobs"] = {"content": [self._chat_lp(ev)]}
             else:
-                c = {"index": 0, "text": delta_text or "", "finish_reason": finish}
-                if ev is not None and req.logprobs is not None:
+                c = {"index": index, "text": delta_text or "", "finish_reason": finish}
+                if ev is not None and logprobs is not None:
                     c["logprobs"] = self._completion_lps([ev])
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
-            if last is not None:   # the last chunk, as llama-server's: the timings and the slot
+            if last is not None:   # a choice's last chunk, as llama-server's: the timings and the slot
                 out["timings"], out["id_slot"] = last.get("timings"), last.get("id_slot")
             return {"data": json.dumps(out)}
+        lasts: list[dict | None] = [None] * len(reqs)
         finished = False
         try:
             if chat:
-                yield chunk(role=True)
-            while True:
-                ev = await events.get()
+                for index in range(len(reqs)):
+                    yield chunk(index, role=True)
+            while not all(lasts):
+                index, ev = await events.get()
                 if "error" in ev:
                     yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
                                                          "param": None, "code": None}})}
-                    finished = True
                     break
                 if "finish_reason" in ev:
-                    yield chunk(finish=ev["finish_reason"], last=ev)
-                    if include_usage:
-                        yield {"data": json.dumps({"id": rid, "object": obj, "created": created,
-                                                   "model": self.model_name, "choices": [], "usage": ev["usage"]})}
-                    finished = True
-                    break
-                if ev.get("text") or "token" in ev:
-                    yield chunk(ev.get("text", ""), ev=ev if "token" in ev else None)
+                    lasts[index] = ev
+                    yield chunk(index, finish=ev["finish_reason"], last=ev)
+                elif ev.get("text") or "token" in ev:
+                    yield chunk(index, ev.get("text", ""), ev=ev if "token" in ev else None)
+            else:
+                finished = True
+                if include_usage:
+                    yield {"data": json.dumps({"id": rid, "object": obj, "created": created,
+                                               "model": self.model_name, "choices": [], "usage": _usage(lasts)})}
             yield {"data": "[DONE]"}
         finally:
-            if not finished:
-                req.cancel()   # the client went away: the slot is freed at the next step
+            if not finished:   # an error, or the client went away: the slots are freed at the next step
+                for req in reqs:
+                    req.cancel()
 
     def _token_text(self, token: int) -> tuple[str, list[int]]:
         raw = self.tokenizer.token_bytes(token)

@@ -415,6 +415,38 @@ def test_llama_server_samplers_at_their_off_values_are_taken(server):
     assert r.status_code == 200 and r.json()["tokens_predicted"] <= 2, r.text
 
 
+def test_n_choices(client, server, solo):
+    """OpenAI's n: n choices, choice i sampled with the seed plus i (so each equals its solo run with
+    that seed), the prompt counted once in the usage; streamed, each chunk names its choice and the
+    stream ends once every choice has; greedy choices are all the greedy run."""
+    ids = prompt_ids(13, 71)
+    r = client.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {solo(ids, 10)}
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (13, 30, 43)
+    kw = dict(model="m", prompt=ids, max_tokens=12, temperature=0.9, seed=5, n=3)
+    r = client.completions.create(**kw)
+    want = [solo(ids, 12, SamplerSettings(temp=0.9, seed=5 + i)) for i in range(3)]
+    assert [c.text for c in r.choices] == want and len(set(want)) > 1
+    parts = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for p in parts:
+        for c in p.choices:
+            texts[c.index] += c.text
+    assert texts == want and parts[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert sorted(c.index for p in parts for c in p.choices if c.finish_reason) == [0, 1, 2]
+    msgs = [{"role": "user", "content": "a ring?"}]
+    c = client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=0.8, seed=2, n=2)
+    parts = list(client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=0.8, seed=2, n=2,
+                                                stream=True))
+    assert sorted(p.choices[0].index for p in parts if p.choices[0].delta.role == "assistant") == [0, 1]
+    for i in range(2):
+        text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices[0].index == i)
+        assert text == c.choices[i].message.content
+    r = httpx.post(server + "/completion", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": ids, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
 def test_context_policy(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt=prompt_ids(CTX + 1, 6), max_tokens=1)
@@ -435,7 +467,7 @@ def test_context_policy(client):
     (b'{"prompt": 7}', "prompt"),
     (b'{"prompt": [1, 99999999]}', "token ids"),
     (b'{"prompt": "x", "stream": "yes"}', "stream"),
-    (b'{"prompt": "x", "n": 2}', "n"),
+    (b'{"prompt": "x", "n": 9}', "n"), (b'{"prompt": "x", "n": 0}', "n"),
     (b'{"prompt": "x", "presence_penalty": 2.5}', "'presence_penalty' must be in [-2.0, 2.0]"),
     (b'{"prompt": "x", "frequency_penalty": "high"}', "'frequency_penalty' must be a finite number"),
     (b'{"prompt": "x", "repeat_penalty": 0}', "'repeat_penalty' must be in (0.0, 100.0]"),
