@@ -383,8 +383,14 @@ class App:
         except ValueError:
             return self.error(f"no slot {request.path_params['id']!r}", 404, "id", "not_found_error")
         action = request.query_params.get("action")
-        if action not in ("save", "restore", "handoff"):
-            return self.error("action must be save, restore or handoff", 400, "action")
+        if action not in ("save", "restore", "handoff", "erase"):
+            return self.error("action must be save, restore, handoff or erase", 400, "action")
+        if action == "erase":
+            try:
+                return JSONResponse(await asyncio.get_running_loop().run_in_executor(
+                    None, self.scheduler.erase_slot, index))
+            except MuseError as exc:
+                return self.error(str(exc), 400, "id")
         if self.slot_save_path is None:
             return self.error("slot save/restore needs the server's --slot-save-path", 400, "action")
         try:

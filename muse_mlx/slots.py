@@ -443,6 +443,20 @@ class Scheduler:
             return {"id_slot": index, "n_saved": len(slot.tokens), "ms": (time.perf_counter() - t) * 1e3}
         return self.control(save)
 
+    def erase_slot(self, index: int) -> dict:
+        """llama-server's erase: an idle slot forgets what it holds (its positions and tokens; a
+        restored pack no longer offered to a prompt that extends it). The storage's rows are not
+        zeroed: they are past the offset, where nothing reads."""
+        def erase():
+            slot = self.slots[index]
+            if slot.state != "idle":
+                raise MuseError(f"slot {index} is busy")
+            n = len(slot.tokens)
+            slot.cache.reset()
+            slot.tokens, slot.restored = [], False
+            return {"id_slot": index, "n_erased": n}
+        return self.control(erase)
+
     def restore_slot(self, index: int, path, model_id: dict) -> dict:
         from . import kvpack
 

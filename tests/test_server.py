@@ -585,6 +585,34 @@ def test_slot_save_and_restore(server, client):
         assert c.get(server + "/health").status_code == 200
 
 
+def test_slot_erase(server):
+    """llama-server's erase: a slot holding a restored pack offers it to a prompt that extends it
+    (the answer's timings show the pack's positions as cached); once erased it holds nothing, and
+    the same prompt is prefilled whole."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = prompt_ids(20, 73)
+
+    def complete(prompt, slot):
+        r = httpx.post(server + "/completion", headers=h, timeout=120,
+                       json={"prompt": prompt, "n_predict": 1, "temperature": 0, "id_slot": slot})
+        assert r.status_code == 200, r.text
+        return r.json()["timings"]
+    complete(ids, 1)   # one token: the slot then holds the prompt's 20 positions
+    r = httpx.post(f"{server}/slots/1?action=save", json={"filename": "erase.kvpack"}, headers=h)
+    assert r.status_code == 200 and r.json()["n_saved"] == 20, r.text
+    for erase in (False, True):
+        r = httpx.post(f"{server}/slots/0?action=restore", json={"filename": "erase.kvpack"}, headers=h)
+        assert r.status_code == 200 and r.json()["n_restored"] == 20, r.text
+        if erase:
+            r = httpx.post(f"{server}/slots/0?action=erase", headers=h)
+            assert r.status_code == 200 and r.json() == {"id_slot": 0, "n_erased": 20}, r.text
+            assert httpx.get(server + "/slots", headers=h).json()[0]["n_past"] == 0
+        t = complete(ids + [5, 6], 0)
+        assert (t["cache_n"], t["prompt_n"]) == ((0, 22) if erase else (20, 2))
+    r = httpx.post(f"{server}/slots/0?action=wipe", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "action"
+
+
 def test_a_full_queue_answers_503_with_retry_after(f32_fixture):
     proc, base = start_server(f32_fixture, "--queue", "0", parallel=1)
     try:
