@@ -4,7 +4,7 @@
                               [--api-key KEY] [--queue 16] [--prompt-cache [DIR]] [--slot-save-path DIR]
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming over SSE or not), llama-server's
-POST /completion (its fields and answer), /tokenize, /detokenize and GET /props, GET /v1/models,
+POST /completion (its fields and answer), /tokenize, /detokenize, /apply-template and GET /props, GET /v1/models,
 GET /health, GET /slots, POST /slots/{id}?action=save|restore (body {"filename": NAME}, a kvpack
 under --slot-save-path). Built on Starlette + uvicorn + sse-starlette; the engine side is
 muse_mlx/slots.py. Errors are OpenAI-style bodies: 400 for a request that is wrong (naming the
@@ -266,6 +266,7 @@ class App:
                   Route("/props", self.props, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/apply-template", self.apply_template, methods=["POST"]),
                   Route("/slots", self.slots, methods=["GET"]), Route("/slots/{id}", self.slot_action, methods=["POST"]),
                   Route("/kv/blobs", self.kv_blobs, methods=["GET"]),
                   Route("/kv/blobs/{name}", self.kv_put_blob, methods=["PUT"]),
@@ -675,21 +676,34 @@ class App:
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
             refuse_unserved(body)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-                raise BadRequest("'messages' must be a list of {role, content} objects", "messages")
-            try:
-                text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": message_text(m.get("content"))}
-                                                           for m in messages])
-            except MuseError as exc:
-                raise BadRequest(f"the chat template failed: {exc}", "messages") from None
-            ids = await self._encode(text, False, "messages")
+            ids = await self._encode(self._chat_prompt(body), False, "messages")
             want = _boolean(body, "logprobs")
             top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
             if top and not want:
                 raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             return await self._serve(request, body, ids, top if want else None, chat=True)
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+
+    def _chat_prompt(self, body: dict) -> str:
+        """The request's `messages` rendered by the GGUF's chat template (in its sandbox)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadRequest("'messages' must be a list of {role, content} objects", "messages")
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m["role"], "content": message_text(m.get("content"))}
+                                                       for m in messages])
+        except MuseError as exc:
+            raise BadRequest(f"the chat template failed: {exc}", "messages") from None
+
+    async def apply_template(self, request):
+        """llama-server's /apply-template: {"messages"} -> {"prompt"}, the text a chat request with
+        those messages is prefilled with."""
+        from starlette.responses import JSONResponse
+
+        try:
+            return JSONResponse({"prompt": self._chat_prompt(parse_json(await read_body(request, JSON_MAX_BYTES)))})
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
 

@@ -527,6 +527,24 @@ def test_chat_content_as_text_parts(client):
     assert "'image_url' content part is not served" in str(exc.value)
 
 
+def test_apply_template_is_the_chat_prompt(server, client):
+    """llama-server's /apply-template: the text a chat request is prefilled with; that text's tokens,
+    sent as a completion, give the chat answer's prompt count and text. Bad messages are a 400."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a ring?"}]
+    r = httpx.post(server + "/apply-template", headers=h, json={"messages": msgs})
+    assert r.status_code == 200, r.text
+    text = r.json()["prompt"]
+    assert "What is a ring?" in text and "Be brief." in text
+    ids = httpx.post(server + "/tokenize", headers=h, json={"content": text}).json()["tokens"]
+    chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+    done = client.completions.create(model="m", prompt=ids, max_tokens=8, temperature=0)
+    assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == done.choices[0].text
+    for body in ({}, {"messages": "hi"}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
+        r = httpx.post(server + "/apply-template", headers=h, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
 def test_chat_bad_requests(server):
     for body in (b'{}', b'{"messages": [{"role": "user"}]}', b'{"messages": "hi"}',
                  b'{"messages": [{"role": "user", "content": []}]}',
