@@ -237,10 +237,11 @@ class App:
     """The HTTP side: validation, the request's event queue, the OpenAI response shapes."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None, model_id: dict,
-                 slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S, batch_invariant: bool = False):
+                 slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S, batch_invariant: bool = False,
+                 metrics: bool = False):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
-        self.incoming_ttl_s, self.batch_invariant = incoming_ttl_s, batch_invariant
+        self.incoming_ttl_s, self.batch_invariant, self.metrics = incoming_ttl_s, batch_invariant, metrics
 
     @property
     def blob_max_bytes(self) -> int:
@@ -263,7 +264,7 @@ class App:
         from starlette.routing import Route
 
         routes = [Route("/health", self.health, methods=["GET"]), Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/props", self.props, methods=["GET"]),
+                  Route("/props", self.props, methods=["GET"]), Route("/metrics", self.metrics_text, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/apply-template", self.apply_template, methods=["POST"]),
@@ -295,6 +296,19 @@ class App:
 
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
                             status_code=status, headers=headers)
+
+    async def metrics_text(self, request):
+        """llama-server's /metrics (with --metrics): the engine's counters in Prometheus's text format
+        (muse_mlx/metrics.py says what each holds)."""
+        from starlette.responses import Response
+
+        if not self.metrics:
+            return self.error("this server does not serve /metrics: start it with --metrics", 501, None,
+                              "not_supported_error")
+        with self.scheduler.wake:
+            processing, deferred = self.scheduler.busy_slots(), len(self.scheduler.waiting)
+        return Response(self.scheduler.metrics.exposition(processing, deferred),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -1007,7 +1021,7 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
         raise MuseError(f"--slot-save-path {save_path}: not a folder")
     ttl = getattr(args, "kv_incoming_ttl", INCOMING_TTL_S)
     app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path, ttl,
-              bool(config.batch_invariant))
+              bool(config.batch_invariant), bool(getattr(args, "metrics", False)))
     return app, scheduler
 
 
@@ -1025,6 +1039,7 @@ def _command(argv=None) -> int:
     p.add_argument("--kv-incoming-ttl", type=float, default=INCOMING_TTL_S, metavar="SECONDS",
                    help="remove a handoff's blob that no pack took within this many seconds of its arrival "
                         f"(0: keep; default {INCOMING_TTL_S:.0f})")
+    p.add_argument("--metrics", action="store_true", help="serve GET /metrics (Prometheus text, llama-server's names)")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
     p.add_argument("--batch-invariant", action="store_true",
                    help="every slot's logits the same bits as its solo run's whatever the other slots hold "

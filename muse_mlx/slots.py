@@ -40,6 +40,7 @@ import numpy as np
 from .errors import MuseError, NonFiniteError
 from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
+from .metrics import ServerMetrics
 from .sampling import Sampler, SamplerSettings, all_finite
 
 
@@ -142,6 +143,7 @@ class Scheduler:
         self.wake = threading.Condition()
         self.running = True
         self.ids = itertools.count(1)
+        self.metrics = ServerMetrics()
         self.thread = threading.Thread(target=self.run, name="muse-slots", daemon=True)
 
     # ---- the HTTP side's calls (any thread) ----
@@ -229,6 +231,9 @@ class Scheduler:
                     if slot.request is not None:
                         self._finish(slot, error=f"engine error: {type(exc).__name__}: {exc}")
 
+    def busy_slots(self) -> int:
+        return sum(1 for s in self.slots if s.state != "idle")
+
     def _idle(self) -> Slot | None:
         return next((s for s in self.slots if s.state == "idle"), None)
 
@@ -301,6 +306,7 @@ class Scheduler:
     def _prefill_chunk(self, slot: Slot) -> None:
         n = self.chunk - slot.cache.offset % self.chunk
         piece, slot.pending = slot.pending[:n], slot.pending[n:]
+        self.metrics.on_call(self.busy_slots())
         logits = self.model.prefill(piece, slot.cache, self.chunk)
         slot.tokens += piece
         offset, n_prompt = slot.cache.offset, len(slot.request.prompt_ids)
@@ -349,6 +355,7 @@ class Scheduler:
         ahead = [s for s in slots if s.cache.room > 0 and s.generated + 1 < s.request.max_tokens]
         if ahead:
             tokens = mx.concatenate([s.next[0].reshape(1, 1).astype(mx.int32) for s in ahead])
+            self.metrics.on_call(self.busy_slots())
             logits = self.model(tokens, [s.cache for s in ahead])
             for b, slot in enumerate(ahead):
                 slot.fed, slot.logits = True, logits[b, 0]
@@ -395,10 +402,13 @@ class Scheduler:
                 if stopped:   # the tail ended on a stop string: that is why the request ends
                     reason = "stop"
             kind = "limit" if reason == "length" else "word" if slot.stop.word else "eos"
+            timings = self._timings(slot)
+            self.metrics.on_finish(timings["prompt_n"], slot.cached, timings["prompt_ms"] / 1e3, slot.generated,
+                                   timings["predicted_ms"] / 1e3, len(request.prompt_ids) + slot.generated)
             request.emit({"finish_reason": reason, "stop_type": kind, "stopping_word": slot.stop.word, "usage": {
                 "prompt_tokens": len(request.prompt_ids), "completion_tokens": slot.generated,
                 "total_tokens": len(request.prompt_ids) + slot.generated,
-                "prompt_tokens_details": {"cached_tokens": slot.cached}}, "timings": self._timings(slot),
+                "prompt_tokens_details": {"cached_tokens": slot.cached}}, "timings": timings,
                 "id_slot": slot.index})
         self._release(slot)
 
