@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system-prompt", help="system message for --chat")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="a Jinja chat template for --chat in place of the GGUF's (llama.cpp's flag)")
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
     p.add_argument("--reference", action="store_true",
                    help="use the MLX-ops reference path even on a GPU (the exactness path)")
@@ -190,11 +192,18 @@ def run(argv: list[str] | None = None) -> int:
         problems.append(f"--max-context must be >= 1, got {args.max_context}")
     if args.system_prompt is not None and not args.chat:
         problems.append("--system-prompt needs --chat")
+    if args.chat_template_file is not None and not args.chat:
+        problems.append("--chat-template-file needs --chat")
     if args.prompt_cache_bytes < 0:
         problems.append(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
     if problems:
         raise MuseError(problems[0])
     kernel_config = KernelConfig.parse(args.kernel_config, args.batch_invariant)
+    template = None
+    if args.chat_template_file is not None:   # read and compiled before the weights load: a bad one fails now
+        from .tokenizer import compile_chat_template, read_chat_template_file
+        template = read_chat_template_file(args.chat_template_file)
+        compile_chat_template(*template)
 
     from .default_model import default_model_path
     from .model import load
@@ -206,9 +215,9 @@ def run(argv: list[str] | None = None) -> int:
         building = []
         model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=kernel_config,
                      progress=progress_bar("load", "layer"), kernel_cache=args.kernel_cache,
-                     on_open=lambda a: building.append(pool.submit(lambda: MuseTokenizer(a.vocabulary))))
+                     on_open=lambda a: building.append(pool.submit(lambda: MuseTokenizer(a.vocabulary, template))))
         t_tokenizer = time.perf_counter()
-        tokenizer = building[0].result() if building else MuseTokenizer(model.artifact.vocabulary)
+        tokenizer = building[0].result() if building else MuseTokenizer(model.artifact.vocabulary, template)
     g = model.geometry
     context = args.max_context or g.context_length
     if context > g.context_length:

@@ -127,12 +127,17 @@ MAX_LOGIT_BIAS = 1024   # entries of one request's logit_bias (OpenAI allows 300
 
 
 def logit_bias_of(body: dict, n_vocab: int) -> tuple:
-    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} -> ((id, bias), ...), ids in order."""
+    """A request's logit bias -> ((id, bias), ...), ids in order: OpenAI's object ({"token id": bias
+    in [-100, 100]}) or llama-server's list ([[token id, bias], ...], the biases of a repeated id
+    added as llama.cpp applies each pair; its `false` is minus infinity: the token is never picked)."""
     bias = body.get("logit_bias")
     if bias is None:
         return ()
+    if isinstance(bias, list):
+        return _logit_bias_pairs(bias, n_vocab)
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-        raise BadRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+        raise BadRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids, or a list of "
+                         f"[token id, bias] pairs", "logit_bias")
     out = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < n_vocab):
@@ -141,22 +146,21 @@ def logit_bias_of(body: dict, n_vocab: int) -> tuple:
     return tuple(sorted(out))
 
 
-def logit_bias_pairs(pairs: list) -> dict:
-    """llama-server's list form of a logit bias, [[token id, bias], ...], as OpenAI's object (the
-    biases of a repeated id added, as llama.cpp applies each pair). Its `false` (never this token) is
-    not served: -100 is the bias that asks for that here."""
+def _logit_bias_pairs(pairs: list, n_vocab: int) -> tuple:
     if len(pairs) > MAX_LOGIT_BIAS:
         raise BadRequest(f"'logit_bias' must hold at most {MAX_LOGIT_BIAS} pairs", "logit_bias")
-    out: dict[str, float] = {}
+    out: dict[int, float] = {}
     for pair in pairs:
-        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
-                and pair[0] >= 0):
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool)):
             raise BadRequest("'logit_bias' as a list must hold [token id, bias] pairs", "logit_bias")
-        if pair[1] is False:
-            raise BadRequest("'logit_bias': false (a ban) is not served here; a bias of -100 is", "logit_bias")
-        bias = _number({"logit_bias": pair[1]}, "logit_bias", 0.0, -100.0, 100.0)
-        out[str(pair[0])] = out.get(str(pair[0]), 0.0) + bias
-    return out
+        if not 0 <= pair[0] < n_vocab:
+            raise BadRequest(f"'logit_bias': {pair[0]} is not a token id in 0..{n_vocab - 1}", "logit_bias")
+        bias = -math.inf if pair[1] is False else _number({"logit_bias": pair[1]}, "logit_bias", 0.0, -100.0, 100.0)
+        out[pair[0]] = out.get(pair[0], 0.0) + bias
+    if any(not -100.0 <= b <= 100.0 for b in out.values() if b != -math.inf):
+        raise BadRequest("'logit_bias': a token's biases add up to more than 100 in size", "logit_bias")
+    return tuple(sorted(out.items()))
 
 
 def _usage(lasts: list[dict]) -> dict:
@@ -173,7 +177,7 @@ def generation_settings(req: Request, stream: bool) -> dict:
 
     out = asdict(req.sampling)
     out["temperature"] = out.pop("temp")
-    out["logit_bias"] = [list(p) for p in req.sampling.logit_bias]
+    out["logit_bias"] = [[t, b if b != -math.inf else False] for t, b in req.sampling.logit_bias]
     return {**out, "n_predict": req.max_tokens, "max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos,
             "stop": list(req.stop_strings), "n_probs": req.logprobs or 0, "stream": stream}
 
@@ -336,7 +340,7 @@ class App:
         return JSONResponse({
             "total_slots": len(self.scheduler.slots), "model_alias": self.model_name,
             "default_generation_settings": {"n_ctx": self.scheduler.context, "params": defaults},
-            "chat_template": self.tokenizer.vocab.chat_template or "", "batch_invariant": self.batch_invariant,
+            "chat_template": self.tokenizer.chat_template, "batch_invariant": self.batch_invariant,
             "build_info": f"muse_mlx {__version__}"})
 
     async def tokenize(self, request):
@@ -619,8 +623,6 @@ class App:
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
             refuse_unserved(body)
-            if isinstance(body.get("logit_bias"), list):   # llama-server's [[id, bias], ...]
-                body = {**body, "logit_bias": logit_bias_pairs(body["logit_bias"])}
             ids = await self._prompt_ids(body.get("prompt"))
             n_probs = _integer(body, "n_probs", 0, 0, MAX_TOP_LOGPROBS)
             stream, return_tokens = _boolean(body, "stream"), _boolean(body, "return_tokens")
@@ -1000,7 +1002,7 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
     from . import kvpack
     from .model import load
     from .prompt_cache import PromptCache
-    from .tokenizer import MuseTokenizer
+    from .tokenizer import MuseTokenizer, read_chat_template_file
     from .default_model import default_model_path
     from .tools.fixtures import cache_dir
 
@@ -1010,7 +1012,9 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
     model = load(model_path, backend="reference" if args.reference else "auto", kernel_config=config)
     g = model.geometry
     context = min(args.ctx_size or g.context_length, g.context_length)
-    tokenizer = MuseTokenizer(model.artifact.vocabulary)
+    template = getattr(args, "chat_template_file", None)
+    tokenizer = MuseTokenizer(model.artifact.vocabulary,
+                              read_chat_template_file(template) if template is not None else None)
     model_id = {"fingerprint": kvpack.fingerprint(model_path, cache_dir()), "architecture": "muse-glimmer"}
     pc = None
     if args.prompt_cache is not None:
@@ -1039,6 +1043,8 @@ def _command(argv=None) -> int:
     p.add_argument("--kv-incoming-ttl", type=float, default=INCOMING_TTL_S, metavar="SECONDS",
                    help="remove a handoff's blob that no pack took within this many seconds of its arrival "
                         f"(0: keep; default {INCOMING_TTL_S:.0f})")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="a Jinja chat template for the chat route in place of the GGUF's (llama-server's flag)")
     p.add_argument("--metrics", action="store_true", help="serve GET /metrics (Prometheus text, llama-server's names)")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
     p.add_argument("--batch-invariant", action="store_true",
@@ -1061,6 +1067,9 @@ def _command(argv=None) -> int:
     if not (args.kv_incoming_ttl >= 0 and math.isfinite(args.kv_incoming_ttl)):
         raise MuseError(f"--kv-incoming-ttl must be a finite number of seconds >= 0, got {args.kv_incoming_ttl}")
     config = KernelConfig.parse(args.kernel_config, args.batch_invariant)   # refused before the weights load
+    if args.chat_template_file is not None:   # so is a chat template file that cannot be read or compiled
+        from .tokenizer import compile_chat_template, read_chat_template_file
+        compile_chat_template(*read_chat_template_file(args.chat_template_file))
     app, scheduler = build(args, config)
     import uvicorn
 

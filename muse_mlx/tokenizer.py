@@ -125,7 +125,9 @@ class SpecialSplitter:
 class MuseTokenizer:
     """Encode text to ids and ids to text the way the pinned llama.cpp does."""
 
-    def __init__(self, vocab: Vocabulary):
+    def __init__(self, vocab: Vocabulary, chat_template: tuple[str, str] | None = None):
+        """chat_template: (text, name) of a template to use instead of the GGUF's (llama.cpp's
+        --chat-template-file; read_chat_template_file), compiled here so that a bad one fails now."""
         if vocab.model != "gpt2":
             raise TokenizerError(f"tokenizer model {vocab.model!r} is not supported (only byte-level BPE 'gpt2')")
         pre = vocab.pre or "default"
@@ -156,6 +158,9 @@ class MuseTokenizer:
             raise TokenizerError(f"the vocabulary cannot be built into a tokenizer: {_one_line(exc)}") from None
         self._tok = tok
         self._template = None  # compiled on first use
+        self.chat_template_file = chat_template
+        if chat_template is not None:
+            self._template = compile_chat_template(*chat_template)
         self._u2b = {c: b for b, c in byte_to_unicode().items()}
         self.bos_id = vocab.bos_id
         self.stop_ids = {i for i in (vocab.eos_id, vocab.eot_id, vocab.eom_id) if i is not None}
@@ -211,6 +216,11 @@ class MuseTokenizer:
         return TextStreamer(self)
 
     # ---- chat --------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str:
+        """The template's text in use: the one given in place of the GGUF's, else the GGUF's ('' if none)."""
+        return self.chat_template_file[0] if self.chat_template_file else (self.vocab.chat_template or "")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """Render the GGUF's chat template (compiled once, on first use) in a bounded sandbox.
 
@@ -454,25 +464,44 @@ def _template_line(exc: BaseException) -> str:
     return f" at line {lines[-1]}" if lines else ""
 
 
-def _template_error(stage: str, exc: BaseException) -> TokenizerError:
+def _template_error(stage: str, exc: BaseException, name: str = TEMPLATE_NAME) -> TokenizerError:
     if isinstance(exc, _TemplateTimeout):
-        return TokenizerError(f"{TEMPLATE_NAME}: {stage} took longer than {TEMPLATE_SECONDS:g} s; stopped")
+        return TokenizerError(f"{name}: {stage} took longer than {TEMPLATE_SECONDS:g} s; stopped")
     if isinstance(exc, jinja2.TemplateSyntaxError):
-        return TokenizerError(f"{TEMPLATE_NAME} does not compile: line {exc.lineno}: {_one_line(exc.message or exc)}")
+        return TokenizerError(f"{name} does not compile: line {exc.lineno}: {_one_line(exc.message or exc)}")
     kind = "" if isinstance(exc, (_TemplateLimit, jinja2.TemplateError)) else f"{type(exc).__name__}: "
-    return TokenizerError(f"{TEMPLATE_NAME}: {stage} failed{_template_line(exc)}: {kind}{_one_line(exc)}")
+    return TokenizerError(f"{name}: {stage} failed{_template_line(exc)}: {kind}{_one_line(exc)}")
 
 
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile an untrusted template; any failure is one TokenizerError naming it."""
+def read_chat_template_file(path) -> tuple[str, str]:
+    """A chat template from a file, for MuseTokenizer's chat_template: (its text, the name errors
+    give it). A file that cannot be read, is not UTF-8 or is too long is one TokenizerError."""
+    name = f"chat template file {str(path)!r}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TEMPLATE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise TokenizerError(f"{name} cannot be read: {exc.strerror or exc}") from None
+    if len(raw) > TEMPLATE_MAX_BYTES:
+        raise TokenizerError(f"{name} is longer than the {TEMPLATE_MAX_BYTES:,} bytes accepted")
+    try:
+        return raw.decode("utf-8"), name
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{name} is not UTF-8: byte {exc.start:,} ({raw[exc.start]:#04x})") from None
+
+
+def compile_chat_template(template: str, name: str = TEMPLATE_NAME) -> jinja2.Template:
+    """Compile an untrusted template; any failure is one TokenizerError naming it (`name`)."""
     if len(template) > TEMPLATE_MAX_BYTES:
-        raise TokenizerError(f"{TEMPLATE_NAME} is {len(template):,} characters long; "
+        raise TokenizerError(f"{name} is {len(template):,} characters long; "
                              f"at most {TEMPLATE_MAX_BYTES:,} are accepted")
     try:
         with _watchdog(TEMPLATE_SECONDS):
-            return _environment().from_string(template)
+            template = _environment().from_string(template)
     except (Exception, _TemplateTimeout) as exc:  # RecursionError, MemoryError and the like included
-        raise _template_error("compiling", exc) from None
+        raise _template_error("compiling", exc, name) from None
+    template.muse_name = name   # for _render's messages
+    return template
 
 
 def _render(template: jinja2.Template, context: dict) -> str:
@@ -492,7 +521,7 @@ def _render(template: jinja2.Template, context: dict) -> str:
                     raise _TemplateLimit(f"the output passed {_bounds.limit:,} characters")
                 out.append(chunk)
     except (Exception, _TemplateTimeout) as exc:
-        raise _template_error("rendering", exc) from None
+        raise _template_error("rendering", exc, getattr(template, "muse_name", TEMPLATE_NAME)) from None
     finally:
         _bounds.limit, _bounds.depth = saved
     return "".join(out)

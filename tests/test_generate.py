@@ -56,6 +56,51 @@ def test_chat_and_stdin(f32_fixture):
     assert "prompt:" in r.stderr
 
 
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_template_file(f32_fixture, tmp_path):
+    """--chat-template-file renders --chat's messages in place of the GGUF's template: the output is
+    the greedy continuation of that text (rendered here by plain jinja2), and differs from the
+    GGUF template's."""
+    import jinja2
+
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    base = ["--model", str(f32_fixture), "--chat", "--system-prompt", "Be brief.", "-p", "What is a ring?", "-m", "6"]
+    r = run_cli(*base, "--chat-template-file", str(path))
+    assert r.returncode == 0, r.stderr
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a ring?"}]
+    text = jinja2.Template(TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    tokens = list(generate_tokens(model, model.make_cache(256), tok.encode(text, add_bos=False),
+                                  Sampler(SamplerSettings()), 6, tok.stop_ids))
+    assert r.stdout == tok.decode(tokens) + "\n"
+    assert run_cli(*base).stdout != r.stdout
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "cannot be read"), (b"{% for m in messages %}", "does not compile: line 1"),
+    (b"\xff{{ 1 }}", "is not UTF-8: byte 0 (0xff)"), (b"{{ 1/0 }}", None),
+])
+def test_chat_template_file_errors(f32_fixture, tmp_path, content, fragment):
+    """A template file that cannot be read, compiled or decoded is one line and exit 2, found before
+    the model is opened (a missing model is not what is reported); one that fails only when rendered
+    fails then, the same way."""
+    path = tmp_path / "t.jinja"
+    if content is not None:
+        path.write_bytes(content)
+    r = run_cli("--model", str(f32_fixture), "--chat", "-p", "x", "--chat-template-file", str(path))
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "chat template file" in r.stderr
+    assert fragment is None and "rendering failed" in r.stderr or fragment in r.stderr
+    if fragment is not None:
+        r = run_cli("--model", "/definitely/not/here.gguf", "--chat", "-p", "x", "--chat-template-file", str(path))
+        assert r.returncode == 2 and fragment in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "/definitely/not/here.gguf"], "no such file"),
     (["--temp", "-1"], "--temp"),
@@ -68,6 +113,7 @@ def test_chat_and_stdin(f32_fixture):
     (["--frobnicate"], "unrecognized arguments"),
     (["--max-context", "3"], "longer than the context"),
     (["--system-prompt", "x"], "needs --chat"),
+    (["--chat-template-file", "t.jinja"], "--chat-template-file needs --chat"),
     (["--repeat-penalty", "0"], "--repeat-penalty must be a finite number > 0"),
     (["--repeat-last-n", "-1"], "--repeat-last-n must be >= 0"),
     (["--presence-penalty", "nan"], "--presence-penalty must be finite"),

@@ -576,6 +576,8 @@ def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, capsys
     (["--slot-save-path", "/nonexistent/saves", "--reference"], "--slot-save-path /nonexistent/saves: not a folder"),
     (["--kernel-config", "batch_invariant=2"], "kernel config batch_invariant must be an integer 0..1, got 2"),
     (["--kernel-config", "nonsense"], "--kernel-config: expected name=value"),
+    (["--chat-template-file", "/nonexistent/t.jinja", "--model", "/nonexistent/m.gguf"],
+     "chat template file '/nonexistent/t.jinja' cannot be read"),
 ])
 def test_server_flags(argv, says, capsys):
     """The server's flags: each bad value one line naming it, exit 2, before anything listens

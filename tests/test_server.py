@@ -333,9 +333,17 @@ def test_llama_server_completion_route(server, solo, f32_fixture):
     assert (e["stop_type"], e["tokens_predicted"], e["content"]) == ("eos", 0, "")
     e = post({"n_predict": 5, "logit_bias": [[eos, 100]], "ignore_eos": True, "return_tokens": True}).json()
     assert (e["stop_type"], e["tokens_predicted"], e["tokens"]) == ("limit", 5, [eos] * 5)
-    # llama-server's list form of a logit bias is OpenAI's object form (a repeated id's biases added)
+    # llama-server's list form of a logit bias is OpenAI's object form (a repeated id's biases added);
+    # its false bans the token (the greedy run's first token never appears), on OpenAI's route too
     listed = post({"n_predict": 10, "logit_bias": [[101, 60], [101, 40]]}).json()["content"]
     assert listed == solo(ids, 10, SamplerSettings(logit_bias=((101, 100.0),))) != solo(ids, 10)
+    first = solo(ids, 1, as_ids=True)[0]
+    for route in ("/completion", "/v1/completions"):
+        banned = post({"n_predict": 10, "logit_bias": [[first, False]], "return_tokens": True}, route).json()
+        tokens = banned["tokens"] if route == "/completion" else None
+        text = banned["content"] if tokens is not None else banned["choices"][0]["text"]
+        assert text == solo(ids, 10, SamplerSettings(logit_bias=((first, float("-inf")),))) != solo(ids, 10)
+        assert tokens is None or first not in tokens
 
 
 def test_llama_server_completion_probabilities(server, f32_fixture):
@@ -393,7 +401,7 @@ def test_mixed_prompts(server, solo, f32_fixture):
 @pytest.mark.parametrize("body, param", [
     ({"n_probs": 21}, "n_probs"), ({"n_probs": -1}, "n_probs"), ({"return_tokens": 1}, "return_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"cache_prompt": 0}, "cache_prompt"),
-    ({"logit_bias": [[1, False]]}, "logit_bias"), ({"logit_bias": [[1]]}, "logit_bias"),
+    ({"logit_bias": [[1, True]]}, "logit_bias"), ({"logit_bias": [[1]]}, "logit_bias"),
     ({"logit_bias": [["a", 1]]}, "logit_bias"), ({"logit_bias": [[1, 101]]}, "logit_bias"),
     ({"logit_bias": [[1, 60], [1, 60]]}, "logit_bias"), ({"logit_bias": [[10**6, 1]]}, "logit_bias"),
     ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 2}, "mirostat"),
@@ -475,7 +483,8 @@ def test_context_policy(client):
     (b'{"prompt": "x", "logit_bias": {"5": -101}}', "'logit_bias' must be in [-100.0, 100.0]"),
     (b'{"prompt": "x", "logit_bias": {"a5": 1}}', "'logit_bias': 'a5' is not a token id"),
     (b'{"prompt": "x", "logit_bias": {"' + b"9" * 5000 + b'": 1}}', "is not a token id"),
-    (b'{"prompt": "x", "logit_bias": [[5, 1]]}', "'logit_bias' must be an object"),
+    (b'{"prompt": "x", "logit_bias": [5, 1]}', "'logit_bias' as a list must hold [token id, bias] pairs"),
+    (b'{"prompt": "x", "logit_bias": "5"}', "'logit_bias' must be an object"),
     (b'{"prompt": "x", "best_of": 3}', "'best_of' is not served"),
     (b'{"prompt": "x", "echo": true}', "'echo' is not served"),
     (b'{"prompt": "x", "suffix": "end"}', "'suffix' is not served"),
@@ -543,6 +552,25 @@ def test_apply_template_is_the_chat_prompt(server, client):
     for body in ({}, {"messages": "hi"}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
         r = httpx.post(server + "/apply-template", headers=h, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_chat_template_file(f32_fixture, tmp_path):
+    """--chat-template-file: the chat route renders with it (/apply-template's prompt is that
+    template's text for the messages, rendered here by plain jinja2), /props shows it."""
+    import jinja2
+
+    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    proc, base = start_server(f32_fixture, "--chat-template-file", str(path), "--no-warmup", parallel=1)
+    try:
+        msgs = [{"role": "user", "content": "What is a ring?"}]
+        r = httpx.post(base + "/apply-template", json={"messages": msgs})
+        assert r.status_code == 200 and r.json()["prompt"] == jinja2.Template(template).render(messages=msgs)
+        assert httpx.get(base + "/props").json()["chat_template"] == template
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_chat_bad_requests(server):
