@@ -242,6 +242,14 @@ class SlotCache:
         for layer in self.layers:
             layer.offset = 0
 
+    def copy_from(self, other: "SlotCache") -> None:
+        """Hold what `other` holds: each layer's held rows copied into this cache's own storage
+        (lazily; `other` may go on writing its own), at its offset. The two must have one shape."""
+        if [(type(a), a.kv.shape) for a in self.layers] != [(type(b), b.kv.shape) for b in other.layers]:
+            raise ValueError("copy_from needs a cache of the same geometry and context")
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.restore_rows(*theirs.held_rows(), theirs.offset)
+
     def fill_random(self, depth: int, seed: int = 0) -> None:
         """Synthetic content for benchmarks: every layer's storage random f16 rows (timing depends on
         the sizes, not the values), `depth` positions as if held. Not a cache of any token sequence."""

@@ -800,6 +800,8 @@ class App:
         reqs = [Request(ids, max_tokens, replace(sampling, seed=sampling.seed + i),
                         lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
                         logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos) for i in range(n)]
+        for req in reqs[1:]:   # the other choices take copies of the first's prefilled prompt
+            req.leader = reqs[0]
         try:
             for req in reqs:
                 self.scheduler.submit(req)

@@ -98,6 +98,10 @@ class Request:
     logprobs: int | None = None          # None: off; k >= 0: the chosen token's and the top k
     slot: int | None = None              # llama-server's id_slot: wait for this slot (None: any)
     ignore_eos: bool = False             # llama-server's: the stop tokens are sampled as any other
+    # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
+    # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
+    leader: "Request | None" = None
+    prompt_settled: bool = False         # as a leader: its prompt is prefilled, or never will be
     id: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -241,6 +245,8 @@ class Scheduler:
         """The slot a request asked for, when idle; for any slot, an idle slot holding a restored
         pack whose tokens the prompt extends, else any idle slot that holds no restored pack, else
         any idle slot; None when there is none to take."""
+        if request.leader is not None and not request.leader.prompt_settled:
+            return None   # its prompt is on its way into the leader's slot
         if request.slot is not None:
             slot = self.slots[request.slot]
             return slot if slot.state == "idle" else None
@@ -266,6 +272,8 @@ class Scheduler:
                 break
             if not pick[0].cancelled.is_set():
                 self._admit(pick[1], pick[0])
+            else:
+                pick[0].prompt_settled = True   # a leader that never ran frees its followers
         for slot in [s for s in self.slots if s.state == "prefill"]:
             self._prefill_chunk(slot)
         decoding = [s for s in self.slots if s.state == "decode"]
@@ -292,9 +300,7 @@ class Scheduler:
                 slot.restored, slot.cached = False, n
                 slot.tokens, slot.pending = list(request.prompt_ids), []
                 slot.logits, slot.state = mx.array(hit.logits), "decode"
-                slot.prompt_done = time.perf_counter()
-                if request.max_tokens == 0:
-                    self._finish(slot, "length")
+                self._prompt_ready(slot)
                 return
         slot.restored, slot.cached = False, start
         if start == 0:
@@ -321,9 +327,41 @@ class Scheduler:
                 t = time.perf_counter()
                 self.prompt_cache.store_end(slot.cache, list(slot.tokens), slot.logits)
                 slot.cache_seconds += time.perf_counter() - t
-            slot.prompt_done = time.perf_counter()
-            if slot.request.max_tokens == 0:
-                self._finish(slot, "length")
+            self._prompt_ready(slot)
+
+    def _prompt_ready(self, slot: Slot) -> None:
+        """`slot` holds its request's whole prompt and the next token's logits: its decoding starts;
+        the requests that follow it (the other choices of its `n`) waiting now take copies of the
+        prompt into idle slots, and the rest are free to prefill it themselves."""
+        slot.prompt_done = time.perf_counter()
+        leader = slot.request
+        leader.prompt_settled = True
+        with self.wake:
+            followers = [r for r in self.waiting if r.leader is leader and not r.cancelled.is_set()]
+        for request in followers:
+            target = self._slot_for(request)
+            if target is None:
+                continue
+            with self.wake:
+                self.waiting.remove(request)
+            self._admit_copy(target, request, slot)
+        if leader.max_tokens == 0:
+            self._finish(slot, "length")
+
+    def _admit_copy(self, slot: Slot, request: Request, source: Slot) -> None:
+        """Admit `request` into `slot` with a copy of the prompt `source` has just prefilled."""
+        slot.request, slot.generated = request, 0
+        slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
+        slot.sampler = Sampler(request.sampling, request.prompt_ids)
+        slot.streamer = self.tokenizer.streamer()
+        slot.stop = StopMatcher(request.stop_strings)
+        slot.cache.copy_from(source.cache)
+        slot.tokens, slot.pending = list(source.tokens), []
+        slot.restored, slot.cached = False, len(request.prompt_ids)
+        slot.logits, slot.state, slot.prompt_done = source.logits, "decode", time.perf_counter()
+        request.prompt_settled = True
+        if request.max_tokens == 0:
+            self._finish(slot, "length")
 
     @staticmethod
     def _picks(slot: Slot) -> tuple:
@@ -429,6 +467,8 @@ class Scheduler:
                 "prompt_cache_ms": slot.cache_seconds * 1e3}
 
     def _release(self, slot: Slot) -> None:
+        if slot.request is not None:
+            slot.request.prompt_settled = True   # its followers, if any, wait no longer
         slot.request, slot.state, slot.pending, slot.logits = None, "idle", [], None
         slot.next, slot.fed, slot.following = None, False, None
         slot.sampler = slot.streamer = slot.stop = None

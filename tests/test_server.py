@@ -426,11 +426,15 @@ def test_llama_server_samplers_at_their_off_values_are_taken(server):
 def test_n_choices(client, server, solo):
     """OpenAI's n: n choices, choice i sampled with the seed plus i (so each equals its solo run with
     that seed), the prompt counted once in the usage; streamed, each chunk names its choice and the
-    stream ends once every choice has; greedy choices are all the greedy run."""
+    stream ends once every choice has; greedy choices are all the greedy run. Choices admitted when
+    the first's prompt is prefilled take copies of it (and still equal their solo runs)."""
     ids = prompt_ids(13, 71)
     r = client.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {solo(ids, 10)}
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (13, 30, 43)
+    # the first choice prefills the prompt; the second, with the other slot idle then, takes a copy of
+    # it; the third waits for a slot and prefills it itself
+    assert [c.model_extra["timings"]["cache_n"] for c in r.choices] == [0, 13, 0]
     kw = dict(model="m", prompt=ids, max_tokens=12, temperature=0.9, seed=5, n=3)
     r = client.completions.create(**kw)
     want = [solo(ids, 12, SamplerSettings(temp=0.9, seed=5 + i)) for i in range(3)]
