@@ -94,3 +94,28 @@ def test_slot_room():
     cache.check_room(70)
     with pytest.raises(ContextLimitError, match="70"):
         cache.check_room(71)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 64, 100])   # under, at and past the fixture's window of 64
+def test_a_copied_cache_continues_as_the_original(f32_fixture, prompt_len):
+    """SlotCache.copy_from (the server's n choices): a cache copied from one that prefilled a prompt,
+    its sliding rings wrapped or not, gives the original's next logits bit for bit, and writing on
+    in the original leaves the copy as it was."""
+    from muse_mlx.model import load
+
+    model = load(f32_fixture, backend="reference")
+    ids = [int(t) for t in np.random.default_rng(prompt_len).integers(0, 256, prompt_len)]
+    source, copy = model.make_cache(256), model.make_cache(256)
+    model.prefill(ids, source)
+    copy.copy_from(source)
+    assert copy.offset == source.offset == prompt_len
+    step = mx.array([[7]], dtype=mx.int32)
+    again = model.make_cache(256)
+    again.copy_from(source)
+    a = np.array(model(step, [source]))
+    b = np.array(model(step, [copy]))
+    assert np.array_equal(a, b)
+    model(mx.array([[9]], dtype=mx.int32), [source])   # the original writes on; the second copy is untouched
+    assert np.array_equal(np.array(model(step, [again])), a)
+    with pytest.raises(ValueError, match="same geometry"):
+        model.make_cache(128).copy_from(source)
