@@ -40,7 +40,7 @@ import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -106,6 +106,7 @@ class Vocabulary:
     add_bos: bool
     chat_template: str | None
     chat_template_error: str | None = None  # why the file's template could not be read (e.g. invalid UTF-8)
+    fim_ids: dict = field(default_factory=dict)   # role (pre, suf, mid, pad, rep, sep) -> id, as the file gives them
 
 
 class Artifact:
@@ -869,6 +870,12 @@ def _read_vocabulary(keys: _Keys) -> Vocabulary:
             raise ArtifactError(path, f"key {key!r}", f"a token id below {len(tokens)}", str(v))
         return v
 
+    fim_ids = {}   # llama-vocab.cpp's order: the deprecated names, read after, win
+    for role, key in (("pre", "fim_pre"), ("suf", "fim_suf"), ("mid", "fim_mid"), ("pad", "fim_pad"),
+                      ("rep", "fim_rep"), ("sep", "fim_sep"), ("pre", "prefix"), ("suf", "suffix"), ("mid", "middle")):
+        v = token_id(f"tokenizer.ggml.{key}_token_id")
+        if v is not None:
+            fim_ids[role] = v
     add_bos_field = keys.field("tokenizer.ggml.add_bos_token", required=False)
     if add_bos_field is not None and add_bos_field.types != [_BOOL]:
         raise ArtifactError(path, "key 'tokenizer.ggml.add_bos_token'", "type BOOL",
@@ -885,7 +892,7 @@ def _read_vocabulary(keys: _Keys) -> Vocabulary:
         model=model, pre=pre, tokens=tokens, token_types=token_types, merges=merges,
         bos_id=token_id("tokenizer.ggml.bos_token_id"), eos_id=token_id("tokenizer.ggml.eos_token_id"),
         eot_id=token_id("tokenizer.ggml.eot_token_id"), eom_id=token_id("tokenizer.ggml.eom_token_id"),
-        add_bos=add_bos, chat_template=template, chat_template_error=template_error,
+        add_bos=add_bos, chat_template=template, chat_template_error=template_error, fim_ids=fim_ids,
     )
 
 

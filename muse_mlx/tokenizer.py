@@ -49,6 +49,81 @@ TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 # gpt-oss, always render these tokens"), so llama.cpp prints them; so do we.
 ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
+# What else llama-vocab.cpp (the pinned tree's load()) decides by a token's text, mirrored by
+# llama_kinds below: an unset end-of-turn id is the first of EOT_TEXTS found, an unset end-of-message
+# id "<|eom_id|>", an unset FIM id the first of its role's texts (each made a control token); the
+# end-of-generation set is the FIM pad, repo and file-separator tokens, every token of EOG_TEXTS
+# (made control) and the EOS, EOT and EOM ids; then "<|end|>" leaves it (rendered as text) where
+# "<|return|>" and "<|call|>" (or "<|calls|>" and "<|flush|>") are in it, and "</s>" (made normal)
+# where "<|tool_response>" or "<|plamo:eos|>" is.
+EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+             "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+            "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+            "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+            "<|middle|>"),
+    "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+TOKEN_TYPE_UNKNOWN = 2
+
+
+def llama_kinds(vocab: Vocabulary) -> tuple[set[int], set[int], set[int]]:
+    """(the special tokens: parsed in text and rendered raw, the control tokens among them: rendered
+    as nothing, the end-of-generation tokens), as the pinned llama.cpp's vocabulary decides them from
+    the GGUF's token types, ids and texts. Where a vocabulary holds two texts of one FIM role,
+    llama.cpp takes whichever its hash map yields first; this takes the lowest id."""
+    types = vocab.token_types or [1] * len(vocab.tokens)
+    kind = {i: t for i, t in enumerate(types) if t in (TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
+    by_text = {t: i for i, t in enumerate(vocab.tokens)}   # a repeated text: its last id, as llama.cpp's map
+
+    def first(texts) -> int | None:
+        found = [by_text[t] for t in texts if t in by_text]
+        return min(found) if found else None
+
+    def make_control(i: int) -> None:
+        if kind.get(i) not in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN):
+            kind[i] = TOKEN_TYPE_CONTROL
+    eot, eom, fim = vocab.eot_id, vocab.eom_id, dict(vocab.fim_ids)
+    if eot is None and (eot := first(EOT_TEXTS)) is not None:
+        make_control(eot)
+    if eom is None and (eom := by_text.get("<|eom_id|>")) is not None:
+        make_control(eom)
+    for role, texts in FIM_TEXTS.items():
+        if role not in fim and (found := first(texts)) is not None:
+            fim[role] = found
+            make_control(found)
+    eog = {fim[r] for r in ("pad", "rep", "sep") if r in fim}
+    for text in EOG_TEXTS:
+        if text in by_text:
+            eog.add(by_text[text])
+            make_control(by_text[text])
+    for text in ALWAYS_RENDERED:
+        if text in by_text:
+            kind[by_text[text]] = TOKEN_TYPE_USER_DEFINED
+    eog |= {i for i in (vocab.eos_id, eot, eom) if i is not None}
+    texts = {vocab.tokens[i] for i in eog}
+    if "<|end|>" in texts and (("<|return|>" in texts and texts & {"<|call|>", "<|calls|>"})
+                               or (texts & {"<|call|>", "<|calls|>"} and "<|flush|>" in texts)):
+        end = next(i for i in eog if vocab.tokens[i] == "<|end|>")
+        eog.discard(end)
+        kind[end] = TOKEN_TYPE_USER_DEFINED
+    if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+        s = next(i for i in eog if vocab.tokens[i] == "</s>")
+        eog.discard(s)
+        kind.pop(s, None)
+    special = set(kind)
+    control = {i for i, k in kind.items() if k in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)}
+    return special, control, eog
+
 
 
 @lru_cache(maxsize=1)
@@ -135,10 +210,7 @@ class MuseTokenizer:
             raise TokenizerError(f"pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(PRE_TOKENIZERS))}")
         self.vocab = vocab
         ids, merges = validate_vocabulary(vocab)
-        types = vocab.token_types or [1] * len(vocab.tokens)
-        self.special_ids = {i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
-        self.control_ids = {i for i, t in enumerate(types)
-                            if t == TOKEN_TYPE_CONTROL and vocab.tokens[i] not in ALWAYS_RENDERED}
+        self.special_ids, self.control_ids, eog = llama_kinds(vocab)
         try:
             bpe = models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False)
             tok = Tokenizer(bpe)
@@ -163,7 +235,7 @@ class MuseTokenizer:
             self._template = compile_chat_template(*chat_template)
         self._u2b = {c: b for b, c in byte_to_unicode().items()}
         self.bos_id = vocab.bos_id
-        self.stop_ids = {i for i in (vocab.eos_id, vocab.eot_id, vocab.eom_id) if i is not None}
+        self.stop_ids = eog   # llama.cpp's end-of-generation tokens (llama_kinds)
 
     @property
     def n_vocab(self) -> int:

@@ -262,3 +262,39 @@ def test_cli_user_errors(f32_fixture, args):
     r = subprocess.run([sys.executable, "-m", "muse_mlx.tools.parity", "--model", str(f32_fixture), *args],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_end_of_generation_and_special_kinds_match_llama(f32_fixture, tmp_path):
+    """The tokens llama.cpp's vocabulary decides by their text (llama-vocab.cpp's load): a normal
+    "<|endoftext|>" made a control end-of-generation token, "<|end|>" left out of the set beside
+    "<|return|>" and "<|call|>" (and printed), a FIM pad token ending generation, "</s>" made normal
+    beside "<|tool_response>", an unknown-type token printed as nothing, "<|channel|>" printed. For
+    every id: in the stop set exactly when llama.cpp's llama_vocab_is_eog says so, and the same bytes
+    as its token_to_piece; a text holding them tokenizes the same."""
+    from gguf import GGUFValueType as VT
+    from ggufedit import rewrite
+
+    vocab = open_artifact(f32_fixture).vocabulary
+    plant = [("<|endoftext|>", 1), ("<|end|>", 3), ("<|return|>", 3), ("<|call|>", 3), ("<|fim_pad|>", 4),
+             ("<|fim_prefix|>", 1), ("</s>", 3), ("<|tool_response>", 3), ("<unk>", 2), ("<|channel|>", 3),
+             ("[EOS]", 4)]
+    tokens, types = list(vocab.tokens), list(vocab.token_types)
+    ids = list(range(490, 490 + len(plant)))
+    gone = {tokens[i] for i in ids}
+    for i, (text, kind) in zip(ids, plant):
+        tokens[i], types[i] = text, kind
+    merges = [m for m in vocab.merges if not ({*m.split(" "), m.replace(" ", "")} & gone)]
+    path = rewrite(f32_fixture, tmp_path / "specials.gguf", set_keys={
+        "tokenizer.ggml.tokens": (tokens, VT.ARRAY, VT.STRING),
+        "tokenizer.ggml.token_type": (types, VT.ARRAY, VT.INT32),
+        "tokenizer.ggml.merges": (merges, VT.ARRAY, VT.STRING)})
+    tok = MuseTokenizer(open_artifact(path).vocabulary)
+    with LlamaCpp(path, n_ctx=64) as llama:
+        eog = {i for i in range(llama.n_vocab) if llama.is_eog(i)}
+        assert tok.stop_ids == eog
+        assert {tokens[i] for i in eog} >= {"<|endoftext|>", "<|fim_pad|>", "<|tool_response>", "[EOS]", "<|eot|>"}
+        assert not {tokens[i] for i in eog} & {"<|end|>", "</s>", "<|fim_prefix|>"}
+        for i in range(llama.n_vocab):
+            assert tok.token_bytes(i) == llama.detokenize([i]), (i, tokens[i])
+        text = "a<|end|>b<|endoftext|> c</s><unk><|channel|>[EOS]<|fim_prefix|>"
+        assert tok.encode(text) == llama.tokenize(text)
