@@ -107,6 +107,7 @@ class Vocabulary:
     chat_template: str | None
     chat_template_error: str | None = None  # why the file's template could not be read (e.g. invalid UTF-8)
     fim_ids: dict = field(default_factory=dict)   # role (pre, suf, mid, pad, rep, sep) -> id, as the file gives them
+    suppress_ids: tuple = ()   # tokenizer.ggml.suppress_tokens: never sampled (llama.cpp's common sampler)
 
 
 class Artifact:
@@ -870,6 +871,13 @@ def _read_vocabulary(keys: _Keys) -> Vocabulary:
             raise ArtifactError(path, f"key {key!r}", f"a token id below {len(tokens)}", str(v))
         return v
 
+    suppress_ids = ()   # llama-vocab.cpp: an INT32 array, else the file is refused; ids out of range dropped
+    suppress_field = keys.field("tokenizer.ggml.suppress_tokens", required=False)
+    if suppress_field is not None:
+        if suppress_field.types != [_ARR, GGUFValueType.INT32]:
+            raise ArtifactError(path, "key 'tokenizer.ggml.suppress_tokens'", "type ARRAY/INT32",
+                                f"type {keys._type_name(suppress_field)}")
+        suppress_ids = tuple(sorted({int(t) for t in suppress_field.contents() if 0 <= int(t) < len(tokens)}))
     fim_ids = {}   # llama-vocab.cpp's order: the deprecated names, read after, win
     for role, key in (("pre", "fim_pre"), ("suf", "fim_suf"), ("mid", "fim_mid"), ("pad", "fim_pad"),
                       ("rep", "fim_rep"), ("sep", "fim_sep"), ("pre", "prefix"), ("suf", "suffix"), ("mid", "middle")):
@@ -893,6 +901,7 @@ def _read_vocabulary(keys: _Keys) -> Vocabulary:
         bos_id=token_id("tokenizer.ggml.bos_token_id"), eos_id=token_id("tokenizer.ggml.eos_token_id"),
         eot_id=token_id("tokenizer.ggml.eot_token_id"), eom_id=token_id("tokenizer.ggml.eom_token_id"),
         add_bos=add_bos, chat_template=template, chat_template_error=template_error, fim_ids=fim_ids,
+        suppress_ids=suppress_ids,
     )
 
 

@@ -241,7 +241,7 @@ def run(argv: list[str] | None = None) -> int:
     too_big = [t for t, _ in settings.logit_bias if t >= g.n_vocab]
     if too_big:
         raise MuseError(f"--logit-bias: token {too_big[0]} is not in the model's vocabulary of {g.n_vocab:,}")
-    sampler = Sampler(settings, prompt_ids)
+    sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids)
     streamer = tokenizer.streamer()
     stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout

@@ -63,8 +63,10 @@ class SamplerSettings:
 
 
 class Sampler:
-    def __init__(self, settings: SamplerSettings, history=()):
-        """history: the prompt's token ids, which the penalties look back over as over the output."""
+    def __init__(self, settings: SamplerSettings, history=(), suppress=()):
+        """history: the prompt's token ids, which the penalties look back over as over the output;
+        suppress: the model's tokens never to pick (its GGUF's suppress list: llama.cpp's common
+        sampler adds them to the logit bias as minus infinity)."""
         problems = settings.problems()
         if problems:
             raise ValueError("; ".join(problems))
@@ -72,6 +74,7 @@ class Sampler:
         self._key = mx.random.key(settings.seed % 2**64)   # any integer: taken modulo 2^64
         self._n = len(history) if settings.penalized else 0   # tokens accepted: the prompt's, then every pick
         self._window = np.asarray(history[-settings.repeat_last_n:] if self._n else [], dtype=np.int64)
+        self._suppress = tuple(suppress)
         self._bias = self._counts = self._ring = None   # made at the first logits (their size is the vocabulary's)
         self._started = False
 
@@ -79,9 +82,9 @@ class Sampler:
         """The bias as one (V,) array; the penalties' window: each token's count over the last
         repeat_last_n tokens (V,) float32, and those tokens in a ring."""
         s = self.settings
-        if s.logit_bias:
+        if s.logit_bias or self._suppress:
             bias = np.zeros(n_vocab, dtype=np.float32)
-            for token, b in s.logit_bias:
+            for token, b in s.logit_bias + tuple((t, -np.inf) for t in self._suppress):
                 if token >= n_vocab:
                     raise ValueError(f"--logit-bias: token {token} is not in the vocabulary of {n_vocab}")
                 bias[token] += np.float32(b)

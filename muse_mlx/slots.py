@@ -283,7 +283,8 @@ class Scheduler:
     def _admit(self, slot: Slot, request: Request) -> None:
         slot.request, slot.generated = request, 0
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
-        slot.sampler = Sampler(request.sampling, request.prompt_ids)   # the penalties see the prompt
+        slot.sampler = Sampler(request.sampling, request.prompt_ids,   # the penalties see the prompt
+                               self.tokenizer.vocab.suppress_ids)
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
         start = 0
@@ -352,7 +353,7 @@ class Scheduler:
         """Admit `request` into `slot` with a copy of the prompt `source` has just prefilled."""
         slot.request, slot.generated = request, 0
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
-        slot.sampler = Sampler(request.sampling, request.prompt_ids)
+        slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids)
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
         slot.cache.copy_from(source.cache)

@@ -298,3 +298,47 @@ def test_end_of_generation_and_special_kinds_match_llama(f32_fixture, tmp_path):
             assert tok.token_bytes(i) == llama.detokenize([i]), (i, tokens[i])
         text = "a<|end|>b<|endoftext|> c</s><unk><|channel|>[EOS]<|fim_prefix|>"
         assert tok.encode(text) == llama.tokenize(text)
+
+
+def test_suppressed_tokens_are_never_picked_as_llama_cpp_s_sampler_does(f32_fixture, tmp_path):
+    """A GGUF's tokenizer.ggml.suppress_tokens (INT32 ids; out-of-range ones dropped): the list llama.cpp
+    reads (llama_vocab_get_suppress_tokens), and greedy generation that never takes them, as llama.cpp's
+    common sampler does (minus infinity added to their logits): the CLI's text equals a greedy loop
+    over llama.cpp's own logits with those tokens masked, and differs from the unsuppressed run. The
+    key of another type is refused, by both."""
+    from gguf import GGUFValueType as VT
+    from ggufedit import rewrite
+
+    prompt, n = "The cache keeps what", 12
+    with LlamaCpp(f32_fixture, n_ctx=128) as llama:
+        ids = llama.tokenize(prompt)
+        plain = llama.greedy(ids, 3)
+    suppress = [plain[0], plain[2], 10**6]
+    path = rewrite(f32_fixture, tmp_path / "suppress.gguf",
+                   set_keys={"tokenizer.ggml.suppress_tokens": (suppress, VT.ARRAY, VT.INT32)})
+    assert open_artifact(path).vocabulary.suppress_ids == tuple(sorted(suppress[:2]))
+    with LlamaCpp(path, n_ctx=128) as llama:
+        count = ctypes.c_int32(0)
+        got = llama.L.llama_vocab_get_suppress_tokens(llama.vocab, ctypes.byref(count))
+        assert sorted(got[i] for i in range(count.value)) == sorted(suppress[:2])
+        out, logits = [], llama._decode(ids, 0, True)[-1]
+        for i in range(n):
+            masked = logits.copy()
+            masked[suppress[:2]] = -np.inf
+            token = int(np.argmax(masked))
+            if llama.is_eog(token):
+                break
+            out.append(token)
+            logits = llama._decode([token], len(ids) + i, True)[0]
+        want = llama.detokenize(out).decode("utf-8", errors="replace")
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--model", str(path), "--temp", "0",
+                        "--prompt", prompt, "--max-tokens", str(n)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n" and plain[0] not in out
+    bad = rewrite(f32_fixture, tmp_path / "bad.gguf",
+                  set_keys={"tokenizer.ggml.suppress_tokens": ([1, 2], VT.ARRAY, VT.UINT32)})
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--model", str(bad), "-m", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "tokenizer.ggml.suppress_tokens" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(Exception):
+        LlamaCpp(bad, n_ctx=64)

@@ -1275,3 +1275,28 @@ def test_batch_invariant_flag_reaches_the_kernels(which, flags, expected, monkey
         else:
             generate.run(argv + ["-p", "hi", "--max-tokens", "1"])
     assert len(seen) == 1 and seen[0].batch_invariant == expected
+
+
+def test_the_server_never_samples_the_gguf_s_suppressed_tokens(f32_fixture, tmp_path, solo):
+    """tokenizer.ggml.suppress_tokens reach the server's samplers as they reach generate's
+    (tests/test_parity.py checks those against llama.cpp): the greedy answer equals the CLI loop's
+    with the suppression, and differs from the plain greedy one."""
+    from gguf import GGUFValueType as VT
+    from ggufedit import rewrite
+
+    ids = prompt_ids(12, 91)
+    first = solo(ids, 1, as_ids=True)[0]
+    path = rewrite(f32_fixture, tmp_path / "suppress.gguf",
+                   set_keys={"tokenizer.ggml.suppress_tokens": ([first], VT.ARRAY, VT.INT32)})
+    model = load(path, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    want = tok.decode(generate_tokens(model, model.make_cache(CTX), ids, Sampler(SamplerSettings(), ids, (first,)), 10,
+                                      tok.stop_ids))
+    proc, base = start_server(path, "--no-warmup", parallel=1)
+    try:
+        r = httpx.post(base + "/completion", json={"prompt": ids, "n_predict": 10, "temperature": 0,
+                                                    "return_tokens": True}, timeout=120).json()
+        assert r["content"] == want != solo(ids, 10) and first not in r["tokens"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
