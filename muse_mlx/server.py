@@ -163,6 +163,12 @@ def _logit_bias_pairs(pairs: list, n_vocab: int) -> tuple:
     return tuple(sorted(out.items()))
 
 
+def _prompt_events(evs: list[dict]) -> list[dict]:
+    """The prompt's tokens as token events (what _completion_lps reads) from its prompt_logprobs events."""
+    return [{"token": t, "logprob": lp, "top_logprobs": top}
+            for e in evs if "prompt_logprobs" in e for t, lp, top in e["prompt_logprobs"]]
+
+
 def _usage(lasts: list[dict]) -> dict:
     """A request's usage over its choices: the prompt counted once, as OpenAI counts it."""
     prompt, cached = lasts[0]["usage"]["prompt_tokens"], lasts[0]["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -187,7 +193,7 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
-    "grammar": ("",), "json_schema": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "grammar": ("",), "json_schema": ({},), "best_of": (1,), "suffix": ("",),
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
     "mirostat": (0,), "typical_p": (1.0, 1), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
     "dry_multiplier": (0.0, 0), "top_n_sigma": (-1.0, -1), "post_sampling_probs": (False,),
@@ -610,7 +616,8 @@ class App:
             refuse_unserved(body)
             ids = await self._prompt_ids(body.get("prompt"))
             logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-            return await self._serve(request, body, ids, logprobs, chat=False)
+            echo = _boolean(body, "echo")
+            return await self._serve(request, body, ids, logprobs, chat=False, echo=echo)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
 
@@ -625,6 +632,8 @@ class App:
             refuse_unserved(body)
             ids = await self._prompt_ids(body.get("prompt"))
             n_probs = _integer(body, "n_probs", 0, 0, MAX_TOP_LOGPROBS)
+            if _boolean(body, "echo"):
+                raise BadRequest("'echo' is served on /v1/completions only", "echo")
             stream, return_tokens = _boolean(body, "stream"), _boolean(body, "return_tokens")
             (req,), events = self._submit(body, ids, n_probs if n_probs else None, chat=False, n_max=1)
         except BadRequest as exc:
@@ -692,6 +701,8 @@ class App:
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
             refuse_unserved(body)
+            if _boolean(body, "echo"):
+                raise BadRequest("'echo' is served on /v1/completions only", "echo")
             ids = await self._encode(self._chat_prompt(body), False, "messages")
             want = _boolean(body, "logprobs")
             top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -770,7 +781,7 @@ class App:
                          "prompt")
 
     def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool,
-                n_max: int = MAX_CHOICES) -> tuple[list[Request], asyncio.Queue]:
+                n_max: int = MAX_CHOICES, prompt_logprobs: int | None = None) -> tuple[list[Request], asyncio.Queue]:
         """The request's fields read and checked (BadRequest names the one that is wrong), then its
         `n` choices queued for slots (QueueFull when the queue is: none of them then stays). Choice i
         samples with the seed plus i (one seed, n different samples, each reproducible). Their
@@ -799,8 +810,9 @@ class App:
         events: asyncio.Queue = asyncio.Queue()
         reqs = [Request(ids, max_tokens, replace(sampling, seed=sampling.seed + i),
                         lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
-                        logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos) for i in range(n)]
-        for req in reqs[1:]:   # the other choices take copies of the first's prefilled prompt
+                        logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos,
+                        prompt_logprobs=prompt_logprobs) for i in range(n)]
+        for req in reqs[1:] if prompt_logprobs is None else ():   # the others copy the first's prefilled prompt
             req.leader = reqs[0]
         try:
             for req in reqs:
@@ -841,11 +853,15 @@ class App:
                 for req in reqs:
                     req.cancel()
 
-    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool):
+    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool, echo: bool = False):
+        """OpenAI's answer; with `echo` (completions) the prompt's text comes first, and with
+        logprobs each prompt token's log-prob too (the first's None: nothing predicts it), as
+        OpenAI's legacy completions gave them for scoring a text (max_tokens 0)."""
         from starlette.responses import JSONResponse
 
         try:
-            reqs, events = self._submit(body, ids, logprobs, chat)
+            reqs, events = self._submit(body, ids, logprobs, chat,
+                                        prompt_logprobs=logprobs if echo and logprobs is not None else None)
         except QueueFull as exc:
             return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -853,15 +869,17 @@ class App:
         if _boolean(body, "stream"):
             from sse_starlette.sse import EventSourceResponse
 
-            return EventSourceResponse(self._stream(reqs, events, rid, created, chat, body),
+            echoed = self.tokenizer.decode(ids) if echo else None
+            return EventSourceResponse(self._stream(reqs, events, rid, created, chat, body, echoed),
                                        ping=15, send_timeout=30)
         got = await self._collect(http, reqs, events)
         if not isinstance(got, list):
             return got
+        echoed = self.tokenizer.decode(ids) if echo else ""
         choices = []
         for index, (evs, last) in enumerate(got):
-            lps = [e for e in evs if "token" in e]
-            content = "".join(e.get("text", "") for e in evs)
+            lps = _prompt_events(evs) + [e for e in evs if "token" in e]
+            content = echoed + "".join(e.get("text", "") for e in evs)
             choice = {"index": index, "finish_reason": last["finish_reason"]}
             if chat:
                 choice["message"] = {"role": "assistant", "content": content}
@@ -880,12 +898,12 @@ class App:
         return JSONResponse(out)
 
     async def _stream(self, reqs: list[Request], events: asyncio.Queue, rid: str, created: int, chat: bool,
-                      body: dict):
+                      body: dict, echoed: str | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
         logprobs = reqs[0].logprobs
 
-        def chunk(index, delta_text=None, finish=None, ev=None, role=False, last=None):
+        def chunk(index, delta_text=None, finish=None, ev=None, role=False, last=None, evs=None):
             if chat:
                 delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
                 c = {"index": index, "delta": delta, "finish_reason": finish}
@@ -893,20 +911,33 @@ class App:
                     c["logprobs"] = {"content": [self._chat_lp(ev)]}
             else:
                 c = {"index": index, "text": delta_text or "", "finish_reason": finish}
-                if ev is not None and logprobs is not None:
-                    c["logprobs"] = self._completion_lps([ev])
+                if (ev is not None or evs is not None) and logprobs is not None:
+                    c["logprobs"] = self._completion_lps(evs if evs is not None else [ev])
             out = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
             if last is not None:   # a choice's last chunk, as llama-server's: the timings and the slot
                 out["timings"], out["id_slot"] = last.get("timings"), last.get("id_slot")
             return {"data": json.dumps(out)}
         lasts: list[dict | None] = [None] * len(reqs)
+        # echo: each choice's first chunk is the prompt's text (with its tokens' log-probs, which
+        # arrive as the prompt is prefilled, when asked for: then it is sent before the first token)
+        prompt_evs: list[list[dict] | None] = [[] if echoed is not None else None for _ in reqs]
         finished = False
         try:
             if chat:
                 for index in range(len(reqs)):
                     yield chunk(index, role=True)
+            if echoed is not None and reqs[0].prompt_logprobs is None:
+                for index in range(len(reqs)):
+                    yield chunk(index, echoed)
+                prompt_evs = [None] * len(reqs)
             while not all(lasts):
                 index, ev = await events.get()
+                if "prompt_logprobs" in ev:
+                    prompt_evs[index].append(ev)
+                    continue
+                if prompt_evs[index] is not None:
+                    yield chunk(index, echoed, evs=_prompt_events(prompt_evs[index]))
+                    prompt_evs[index] = None
                 if "error" in ev:
                     yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
                                                          "param": None, "code": None}})}
@@ -953,6 +984,8 @@ class App:
             offsets.append(at)
             at += len(t)
         def top(e):   # keyed by text, as OpenAI's format is: tokens of one text keep the most likely
+            if e["logprob"] is None:   # an echoed prompt's first token
+                return None
             out: dict[str, float] = {}
             for t, lp in e.get("top_logprobs", []):
                 out.setdefault(self._token_text(t)[0], lp)

@@ -12,7 +12,8 @@ One thread owns the model and every MLX call (`Scheduler.run`). Each loop:
    tokens and submitted before they are read (pipelined, as the CLI's decode loop).
 
 Requests hear back through `emit` (called from this thread; the HTTP side makes it thread-safe):
-`{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
+`{"prompt_logprobs": [(id, log-prob or None, [(id, log-prob), ...]), ...]}` per prefill chunk when the
+request asks for them, then `{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
 `{"finish_reason": "stop" | "length", "stop_type": "eos" | "word" | "limit", "stopping_word": str,
 "usage": {...}, "timings": {...}, "id_slot": n}`, or `{"error": message}` (stop_type and stopping_word
 are llama-server's: a stop token, a stop string (the one matched), a length limit).
@@ -98,6 +99,7 @@ class Request:
     logprobs: int | None = None          # None: off; k >= 0: the chosen token's and the top k
     slot: int | None = None              # llama-server's id_slot: wait for this slot (None: any)
     ignore_eos: bool = False             # llama-server's: the stop tokens are sampled as any other
+    prompt_logprobs: int | None = None   # None: off; k >= 0: each prompt token's log-prob and the top k
     # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
     # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
     leader: "Request | None" = None
@@ -289,7 +291,9 @@ class Scheduler:
         slot.stop = StopMatcher(request.stop_strings)
         start = 0
         n = len(request.prompt_ids)
-        if slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
+        if request.prompt_logprobs is not None:
+            pass   # every prompt position's logits are wanted: nothing restored, the whole prompt prefilled
+        elif slot.restored and len(slot.tokens) < n and request.prompt_ids[:len(slot.tokens)] == slot.tokens:
             start = len(slot.tokens)   # the request extends the pack restored here (a handoff)
         elif self.prompt_cache is not None:
             t = time.perf_counter()
@@ -314,7 +318,10 @@ class Scheduler:
         n = self.chunk - slot.cache.offset % self.chunk
         piece, slot.pending = slot.pending[:n], slot.pending[n:]
         self.metrics.on_call(self.busy_slots())
-        logits = self.model.prefill(piece, slot.cache, self.chunk)
+        k = slot.request.prompt_logprobs
+        logits = self.model.prefill(piece, slot.cache, self.chunk, all_logits=k is not None)
+        if k is not None:
+            self._emit_prompt_logprobs(slot, len(slot.tokens), logits, k)
         slot.tokens += piece
         offset, n_prompt = slot.cache.offset, len(slot.request.prompt_ids)
         if self.prompt_cache is not None and slot.pending and offset in self.prompt_cache.checkpoints(offset - 1,
@@ -329,6 +336,31 @@ class Scheduler:
                 self.prompt_cache.store_end(slot.cache, list(slot.tokens), slot.logits)
                 slot.cache_seconds += time.perf_counter() - t
             self._prompt_ready(slot)
+
+    def _emit_prompt_logprobs(self, slot: Slot, start: int, logits: mx.array, k: int) -> None:
+        """The prompt tokens this chunk's logits predict, each with its log-prob and the top k (found
+        on the device, sorted here by value then id): rows start.. of the prompt predict its tokens
+        start + 1..; the prompt's first token, which nothing predicts, comes first with None."""
+        prompt = slot.request.prompt_ids
+        n = min(logits.shape[0], len(prompt) - start - 1)
+        out = [(prompt[0], None, [])] if start == 0 else []
+        if n > 0:
+            lp = logits[:n].astype(mx.float32)
+            lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+            nxt = mx.array(np.asarray(prompt[start + 1:start + 1 + n], dtype=np.int32))
+            chosen = mx.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]
+            k = min(k, lp.shape[-1])
+            if k:
+                top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+                values = mx.take_along_axis(lp, top, axis=-1)
+                mx.eval(chosen, top, values)
+                tops = [sorted(zip(i, v), key=lambda p: (-p[1], p[0]))
+                        for i, v in zip(np.array(top).tolist(), np.array(values).tolist())]
+            else:
+                tops = [[] for _ in range(n)]
+            out += [(prompt[start + 1 + j], c, tops[j]) for j, c in enumerate(np.array(chosen).tolist())]
+        if out:
+            slot.request.emit({"prompt_logprobs": out})
 
     def _prompt_ready(self, slot: Slot) -> None:
         """`slot` holds its request's whole prompt and the next token's logits: its decoding starts;

@@ -490,7 +490,7 @@ def test_context_policy(client):
     (b'{"prompt": "x", "logit_bias": [5, 1]}', "'logit_bias' as a list must hold [token id, bias] pairs"),
     (b'{"prompt": "x", "logit_bias": "5"}', "'logit_bias' must be an object"),
     (b'{"prompt": "x", "best_of": 3}', "'best_of' is not served"),
-    (b'{"prompt": "x", "echo": true}', "'echo' is not served"),
+    (b'{"prompt": "x", "echo": 1}', "'echo' must be a boolean"),
     (b'{"prompt": "x", "suffix": "end"}', "'suffix' is not served"),
     (b'{"prompt": "x", "grammar": "root ::= [a-z]+"}', "'grammar' is not served"),
     (b'{"prompt": "x", "logprobs": 99}', "logprobs"),
@@ -1300,3 +1300,49 @@ def test_the_server_never_samples_the_gguf_s_suppressed_tokens(f32_fixture, tmp_
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_echo_scores_a_text_in_prefill_chunks(in_process, f32_fixture):
+    """OpenAI's legacy scoring call: echo with logprobs and max_tokens 0 gives the prompt's text and
+    each prompt token's log-prob (the first None) and top 3, against a float64 log-softmax of the
+    model's logits over the prompt (in process); with the scheduler's prefill in chunks of 16, the
+    40-token prompt's log-probs come from three chunks. Then echo with a continuation: the prompt's
+    text, then the answer (equal to the greedy run), streamed and not; chat refuses echo."""
+    from muse_mlx.tools.oracle import log_softmax
+
+    app, client, _ = in_process
+    app.scheduler.chunk = 16
+    ids = prompt_ids(40, 92)
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    want = log_softmax(np.array(model.prefill(ids, model.make_cache(64), all_logits=True), dtype=np.float64))
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["text"] == tok.decode(ids) and c["finish_reason"] == "length"
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == 40 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, 40):
+        assert abs(lp["token_logprobs"][i] - want[i - 1, ids[i]]) < 1e-5, i
+        expected = {}
+        for j in np.argsort(-want[i - 1], kind="stable")[:3]:
+            expected.setdefault(tok.decode([int(j)]), want[i - 1, j])
+        assert list(lp["top_logprobs"][i]) == list(expected)
+        assert np.allclose(list(lp["top_logprobs"][i].values()), list(expected.values()), atol=1e-5)
+    greedy = tok.decode(generate_tokens(model, model.make_cache(64), ids, Sampler(SamplerSettings()), 5, tok.stop_ids))
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "temperature": 0, "echo": True,
+                                             "logprobs": 1}).json()
+    assert r["choices"][0]["text"] == tok.decode(ids) + greedy
+    assert len(r["choices"][0]["logprobs"]["tokens"]) == 40 + r["usage"]["completion_tokens"]
+    with client.stream("POST", "/v1/completions", json={"prompt": ids, "max_tokens": 5, "temperature": 0,
+                                                        "echo": True, "logprobs": 1, "stream": True}) as s:
+        chunks = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    assert chunks[0]["choices"][0]["text"] == tok.decode(ids)
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == tok.decode(ids) + greedy
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "echo": True, "stream": True})
+    texts = [json.loads(line[5:])["choices"][0]["text"] for line in r.text.splitlines()
+             if line.startswith("data:") and "[DONE]" not in line]
+    assert r.status_code == 200 and texts[0] == tok.decode(ids)   # no log-probs asked: the prompt at once
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
