@@ -101,6 +101,13 @@ def test_chat_template_file_errors(f32_fixture, tmp_path, content, fragment):
         assert r.returncode == 2 and fragment in r.stderr, r.stderr
 
 
+def test_a_chat_template_file_that_is_a_fifo_is_refused_without_waiting(f32_fixture, tmp_path):
+    fifo = tmp_path / "t.jinja"
+    os.mkfifo(fifo)
+    r = run_cli("--model", str(f32_fixture), "--chat", "-p", "x", "--chat-template-file", str(fifo))
+    assert r.returncode == 2 and "is not a regular file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "/definitely/not/here.gguf"], "no such file"),
     (["--temp", "-1"], "--temp"),
