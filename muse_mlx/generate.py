@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take this times its count off a recent token's logit (0: off)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
                    help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="sample the end-of-generation tokens as any other: always --max-tokens (llama.cpp's flag)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system-prompt", help="system message for --chat")
     p.add_argument("--chat-template-file", metavar="FILE",
@@ -249,7 +251,8 @@ def run(argv: list[str] | None = None) -> int:
     cache, logits, stats.reused_tokens = prefill(model, model_path, prompt_ids, context, args)
     stats.prompt_seconds = time.perf_counter() - start
     first = None
-    for token in decode_tokens(model, cache, logits[-1], sampler, args.max_tokens, tokenizer.stop_ids):
+    stop_ids = frozenset() if args.ignore_eos else tokenizer.stop_ids
+    for token in decode_tokens(model, cache, logits[-1], sampler, args.max_tokens, stop_ids):
         if first is None:
             first = time.perf_counter()
         stats.generated_tokens += 1

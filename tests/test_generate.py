@@ -136,6 +136,18 @@ def test_user_errors_exit_2_with_one_line(args, fragment):
     assert "Traceback" not in r.stderr
 
 
+def test_ignore_eos(f32_fixture):
+    """--ignore-eos: a stop token forced by a bias ends the output at once; with the flag the run
+    goes on to --max-tokens, the stop token sampled (and printed as nothing) every time."""
+    model = load(f32_fixture, backend="reference")
+    eos = min(MuseTokenizer(model.artifact.vocabulary).stop_ids)
+    base = ["--model", str(f32_fixture), "-m", "6", "--logit-bias", f"{eos}+100"]
+    stopped, ignored = run_cli(*base), run_cli(*base, "--ignore-eos")
+    assert stopped.returncode == ignored.returncode == 0, stopped.stderr + ignored.stderr
+    assert "0 tokens" in stopped.stderr and "stopped by stop token" in stopped.stderr
+    assert "6 tokens" in ignored.stderr and "stopped by max-tokens" in ignored.stderr
+
+
 def test_penalties_and_bias_from_the_command_line(f32_fixture):
     """--logit-bias as llama.cpp takes it (a token forced by +100, banned by -inf) and the
     penalties reach the sampler: the forced token's text fills the output; a banned first token
