@@ -72,6 +72,18 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
+def read_regular_file(path, limit: int) -> bytes:
+    """At most limit + 1 bytes of a file named on the command line (more than `limit` tells the
+    caller it is too long). Opened without blocking and refused unless a regular file: a FIFO would
+    wait for a writer and a device might never end. OSError (its strerror says why) otherwise."""
+    import stat
+
+    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(0, "not a regular file")
+        return f.read(limit + 1)
+
+
 def ints(text: str, flag: str) -> list[int]:
     """A comma-separated list of integers, as flags like --depths take them."""
     try:

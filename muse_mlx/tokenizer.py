@@ -14,9 +14,7 @@ import codecs
 import ctypes
 import functools
 import json
-import os
 import re
-import stat
 import threading
 import traceback
 from contextlib import contextmanager
@@ -30,6 +28,7 @@ from jinja2.utils import Namespace
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from .artifact import Vocabulary
+from .cli import read_regular_file
 from .errors import TokenizerError
 
 # Pre-tokenizer regexes, copied in meaning from llama-vocab.cpp (LLAMA_VOCAB_PRE_TYPE_*).
@@ -551,11 +550,8 @@ def read_chat_template_file(path) -> tuple[str, str]:
     """A chat template from a file, for MuseTokenizer's chat_template: (its text, the name errors
     give it). A file that cannot be read, is not UTF-8 or is too long is one TokenizerError."""
     name = f"chat template file {str(path)!r}"
-    try:   # opened without blocking: a FIFO would wait for a writer, a device might never end
-        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise TokenizerError(f"{name} is not a regular file")
-            raw = f.read(TEMPLATE_MAX_BYTES + 1)
+    try:
+        raw = read_regular_file(path, TEMPLATE_MAX_BYTES)
     except OSError as exc:
         raise TokenizerError(f"{name} cannot be read: {exc.strerror or exc}") from None
     if len(raw) > TEMPLATE_MAX_BYTES:

@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from ..cli import read_regular_file
 from ..errors import MuseError
 
 RECEIPT_SCHEMA = 1
@@ -239,8 +240,7 @@ def read_json(path, flag: str = "input", limit: int = 64 << 20):
     what was wrong (unreadable, a folder, over `limit` bytes, not UTF-8, not JSON)."""
     where = f"{flag} {path}"
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        data = read_regular_file(path, limit)
     except OSError as exc:
         raise MuseError(f"{where}: cannot read: {_reason(exc)}") from None
     if len(data) > limit:
