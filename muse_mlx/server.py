@@ -197,6 +197,10 @@ UNSERVED = {
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
     "mirostat": (0,), "typical_p": (1.0, 1), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
     "dry_multiplier": (0.0, 0), "top_n_sigma": (-1.0, -1), "post_sampling_probs": (False,),
+    # llama-server's chat rendering options: the template's own variables, an assistant message continued,
+    # the reasoning split out of the answer
+    "chat_template_kwargs": ({},), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "reasoning_format": ("none",),
 }
 
 

@@ -408,6 +408,9 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"typical_p": 0.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"xtc_probability": 0.5}, "xtc_probability"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
     ({"dynatemp_range": 0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
+    ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"), ({"continue_final_message": True}, "continue_final_message"),
+    ({"reasoning_format": "auto"}, "reasoning_format"),
 ])
 def test_llama_server_completion_bad_requests(server, body, param):
     h = {"Authorization": f"Bearer {KEY}"}
