@@ -282,13 +282,16 @@ class Scheduler:
         if decoding:
             self._decode(decoding)
 
-    def _admit(self, slot: Slot, request: Request) -> None:
+    def _begin(self, slot: Slot, request: Request) -> None:
+        """`request` takes `slot`: its own sampler (the penalties see the prompt), text streamer and stop state."""
         slot.request, slot.generated = request, 0
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
-        slot.sampler = Sampler(request.sampling, request.prompt_ids,   # the penalties see the prompt
-                               self.tokenizer.vocab.suppress_ids)
+        slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids)
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
+
+    def _admit(self, slot: Slot, request: Request) -> None:
+        self._begin(slot, request)
         start = 0
         n = len(request.prompt_ids)
         if request.prompt_logprobs is not None:
@@ -383,11 +386,7 @@ class Scheduler:
 
     def _admit_copy(self, slot: Slot, request: Request, source: Slot) -> None:
         """Admit `request` into `slot` with a copy of the prompt `source` has just prefilled."""
-        slot.request, slot.generated = request, 0
-        slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
-        slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids)
-        slot.streamer = self.tokenizer.streamer()
-        slot.stop = StopMatcher(request.stop_strings)
+        self._begin(slot, request)
         slot.cache.copy_from(source.cache)
         slot.tokens, slot.pending = list(source.tokens), []
         slot.restored, slot.cached = False, len(request.prompt_ids)
