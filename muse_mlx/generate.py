@@ -50,16 +50,28 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
     compiled step is traced then, ~0.3 s on the H200) and computation. The tokens are those of
     feeding each token back only after reading it. The cache contract: it holds the prompt and
     every token fed back, which includes a stop token read while its step was under way (any
-    but the first), but not the last token when max_tokens or the context ends the run."""
+    but the first), but not the last token when max_tokens or the context ends the run.
+
+    With a grammar (the sampler's constraint) a token's pick is built once the token before it is
+    read (its mask follows the text so far), and submitted alone ahead of the step fed from it;
+    the run also ends where the grammar takes nothing more."""
     position = cache.offset - 1
+    constrained = sampler.constraint is not None
     token, finite = sampler.token(logits), all_finite(logits)
 
     def submit(token: mx.array):
         step_logits = model.step(token, cache)
+        if constrained:   # the pick waits for `token`'s read: the grammar's mask follows the text
+            finite = all_finite(step_logits)
+            mx.async_eval(step_logits, finite)
+            return (lambda: sampler.token(step_logits)), finite
         following = (sampler.token(step_logits), all_finite(step_logits))
         mx.async_eval(*following)
         return following
     for i in range(max_tokens):
+        if callable(token):   # a constrained pick, made once the token before it was read
+            token = token()
+            mx.async_eval(token)   # alone, ahead of the step fed from it
         more = i + 1 < max_tokens and cache.room > 0
         following = submit(token) if more and i > 0 else None
         if not finite.item():
@@ -67,7 +79,10 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
         value = int(token.item())
         if value in stop_ids:
             return
+        sampler.read(value)
         yield value
+        if constrained and sampler.constraint.done:   # the grammar takes nothing more
+            return
         if more and following is None:   # the first token, shown before its step is built
             following = submit(token)
         if following is None:
@@ -129,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
     p.add_argument("--ignore-eos", action="store_true",
                    help="sample the end-of-generation tokens as any other: always --max-tokens (llama.cpp's flag)")
+    grammar = p.add_mutually_exclusive_group()
+    grammar.add_argument("--grammar", metavar="GBNF", help="constrain the output to this grammar (llama.cpp's GBNF)")
+    grammar.add_argument("--grammar-file", metavar="FILE", help="--grammar, read from a file")
+    grammar.add_argument("--json-schema", "-j", metavar="SCHEMA",
+                         help="constrain the output to JSON this schema accepts (e.g. '{}' for any JSON value)")
+    grammar.add_argument("--json-schema-file", "-jf", metavar="FILE", help="--json-schema, read from a file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system-prompt", help="system message for --chat")
     p.add_argument("--chat-template-file", metavar="FILE",
@@ -181,6 +202,30 @@ def _logit_bias(text: str) -> tuple[int, float]:
     return int(m.group(1)), float(m.group(2))
 
 
+def _grammar_text(args) -> tuple[str, str, str] | None:
+    """(kind, text, flag) of the grammar asked for, read from its file where one is named."""
+    from .grammar import MAX_GRAMMAR_BYTES
+
+    for flag, kind, is_file in (("--grammar", "gbnf", False), ("--grammar-file", "gbnf", True),
+                                ("--json-schema", "json_schema", False), ("--json-schema-file", "json_schema", True)):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if not is_file:
+            return kind, value, flag
+        try:
+            data = cli.read_regular_file(value, MAX_GRAMMAR_BYTES)
+        except OSError as exc:
+            raise MuseError(f"{flag} {value}: {exc.strerror or exc}") from None
+        if len(data) > MAX_GRAMMAR_BYTES:
+            raise MuseError(f"{flag} {value}: more than {MAX_GRAMMAR_BYTES // 1024} KiB")
+        try:
+            return kind, data.decode("utf-8"), flag
+        except UnicodeDecodeError as exc:
+            raise MuseError(f"{flag} {value}: not UTF-8 (byte {exc.start})") from None
+    return None
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = SamplerSettings(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -201,6 +246,10 @@ def run(argv: list[str] | None = None) -> int:
     if problems:
         raise MuseError(problems[0])
     kernel_config = KernelConfig.parse(args.kernel_config, args.batch_invariant)
+    grammar = _grammar_text(args)
+    if grammar is not None:   # checked before the weights load: a bad one fails now
+        from .grammar import grammar_of
+        grammar_of(*grammar)
     template = None
     if args.chat_template_file is not None:   # read and compiled before the weights load: a bad one fails now
         from .tokenizer import compile_chat_template, read_chat_template_file
@@ -243,7 +292,11 @@ def run(argv: list[str] | None = None) -> int:
     too_big = [t for t, _ in settings.logit_bias if t >= g.n_vocab]
     if too_big:
         raise MuseError(f"--logit-bias: token {too_big[0]} is not in the model's vocabulary of {g.n_vocab:,}")
-    sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids)
+    constraint = None
+    if grammar is not None:
+        from .grammar import Grammars
+        constraint = Grammars(tokenizer).compile(*grammar)
+    sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids, constraint)
     streamer = tokenizer.streamer()
     stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout
@@ -264,7 +317,8 @@ def run(argv: list[str] | None = None) -> int:
     stats.first_token_seconds = (first or end) - start
     stats.generation_seconds = end - first if first else 0.0
     if stats.generated_tokens < args.max_tokens:
-        stats.stopped_by = "context limit" if cache.room == 0 else "stop token"
+        stats.stopped_by = "context limit" if cache.room == 0 else \
+            "the grammar's end" if constraint is not None and constraint.done else "stop token"
     for line in stats.lines(cache, model):
         print(line, file=sys.stderr)
     return 0

@@ -63,10 +63,12 @@ class SamplerSettings:
 
 
 class Sampler:
-    def __init__(self, settings: SamplerSettings, history=(), suppress=()):
+    def __init__(self, settings: SamplerSettings, history=(), suppress=(), constraint=None):
         """history: the prompt's token ids, which the penalties look back over as over the output;
         suppress: the model's tokens never to pick (its GGUF's suppress list: llama.cpp's common
-        sampler adds them to the logit bias as minus infinity)."""
+        sampler adds them to the logit bias as minus infinity); constraint: a grammar the output
+        follows (grammar.Constraint): each pick is made among the tokens it allows, so a loop must
+        `read` each token before it builds the next pick (the mask follows the text so far)."""
         problems = settings.problems()
         if problems:
             raise ValueError("; ".join(problems))
@@ -75,6 +77,7 @@ class Sampler:
         self._n = len(history) if settings.penalized else 0   # tokens accepted: the prompt's, then every pick
         self._window = np.asarray(history[-settings.repeat_last_n:] if self._n else [], dtype=np.int64)
         self._suppress = tuple(suppress)
+        self.constraint = constraint
         self._bias = self._counts = self._ring = None   # made at the first logits (their size is the vocabulary's)
         self._started = False
 
@@ -154,6 +157,8 @@ class Sampler:
         """The sampled token as a lazy 0-d array: nothing waits for the logits, so the next
         step can be built on it before it is computed (generate.generate_tokens)."""
         logits = self.process(logits.reshape(-1).astype(mx.float32))
+        if self.constraint is not None:   # the grammar first, then the filters see only what it allows
+            logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
         if self.settings.temp == 0:
             token = mx.argmax(logits)
         else:
@@ -164,7 +169,14 @@ class Sampler:
         return token
 
     def __call__(self, logits: mx.array) -> int:
-        return int(self.token(logits).item())
+        token = int(self.token(logits).item())
+        self.read(token)
+        return token
+
+    def read(self, token: int) -> None:
+        """The token picked, as read on the host: the grammar, if any, takes it."""
+        if self.constraint is not None:
+            self.constraint.read(token)
 
 
 def all_finite(logits: mx.array) -> mx.array:

@@ -20,6 +20,7 @@ import hmac
 import json
 import math
 import sys
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -29,6 +30,7 @@ from . import __version__, cli
 from .cli import Parser
 from .config import KernelConfig
 from .errors import MuseError
+from .grammar import GrammarError, Grammars, schema_text
 from .sampling import SamplerSettings
 from .slots import QueueFull, Request, Scheduler
 
@@ -192,8 +194,7 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # that ask for nothing (what a client sends by default): any other value is refused by name rather
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
-    "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
-    "grammar": ("",), "json_schema": ({},), "best_of": (1,), "suffix": ("",),
+    "tools": ([],), "functions": ([],), "best_of": (1,), "suffix": ("",),
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
     "mirostat": (0,), "typical_p": (1.0, 1), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
     "dry_multiplier": (0.0, 0), "top_n_sigma": (-1.0, -1), "post_sampling_probs": (False,),
@@ -209,6 +210,47 @@ def refuse_unserved(body: dict) -> None:
         v = body.get(name)
         if v is not None and not any(type(v) is type(n) and v == n for n in neutral):
             raise BadRequest(f"'{name}' is not served here: leave it out (or send {neutral[0]!r})", name)
+
+
+def grammar_request(body: dict) -> tuple[str, str, str] | None:
+    """The grammar a request asks its output to follow, as (kind, text, field) for grammar.Grammars:
+    OpenAI's `response_format` (json_object: a JSON object; json_schema: its `schema`; text: none),
+    llama-server's `json_schema` (a schema; {} any JSON value) or `grammar` (GBNF; "" none). At most
+    one of them."""
+    asked = []
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            schema = rf.get("schema", {"type": "object"})
+            asked.append(("json_schema", schema, "response_format"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise BadRequest("'response_format' of type json_schema needs 'json_schema': {\"schema\": ...}",
+                                 "response_format")
+            asked.append(("json_schema", spec["schema"], "response_format"))
+        elif kind != "text":
+            raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}", "response_format")
+    if body.get("json_schema") is not None:
+        asked.append(("json_schema", body["json_schema"], "json_schema"))
+    grammar = body.get("grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str):
+            raise BadRequest("'grammar' must be a string (a GBNF grammar)", "grammar")
+        if grammar:
+            asked.append(("gbnf", grammar, "grammar"))
+    if len(asked) > 1:
+        raise BadRequest(f"'{asked[0][2]}' and '{asked[1][2]}' both constrain the output: send one", asked[1][2])
+    if not asked:
+        return None
+    kind, spec, field = asked[0]
+    if kind == "json_schema":
+        if not isinstance(spec, (dict, bool)):
+            raise BadRequest(f"'{field}': a JSON schema must be an object (or a boolean)", field)
+        spec = schema_text(spec)
+    return kind, spec, field
 
 
 def message_text(content) -> str:
@@ -256,6 +298,8 @@ class App:
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
         self.incoming_ttl_s, self.batch_invariant, self.metrics = incoming_ttl_s, batch_invariant, metrics
+        self._grammars: Grammars | None = None   # llguidance's token table, made at the first grammar
+        self._grammars_lock = threading.Lock()
 
     @property
     def blob_max_bytes(self) -> int:
@@ -639,7 +683,9 @@ class App:
             if _boolean(body, "echo"):
                 raise BadRequest("'echo' is served on /v1/completions only", "echo")
             stream, return_tokens = _boolean(body, "stream"), _boolean(body, "return_tokens")
-            (req,), events = self._submit(body, ids, n_probs if n_probs else None, chat=False, n_max=1)
+            constraint = await self._constraint(body)
+            (req,), events = self._submit(body, ids, n_probs if n_probs else None, chat=False, n_max=1,
+                                          constraint=constraint)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         except QueueFull as exc:
@@ -784,8 +830,26 @@ class App:
         raise BadRequest("'prompt' must be a string, a list of token ids, or a list of token ids and strings",
                          "prompt")
 
+    async def _constraint(self, body: dict):
+        """The request's grammar compiled (grammar.Constraint), or None; on a worker thread (llguidance
+        drops the GIL while it compiles: a large grammar takes up to a second)."""
+        asked = grammar_request(body)
+        if asked is None:
+            return None
+
+        def compile_it():
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.tokenizer)
+            return self._grammars.compile(*asked)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, compile_it)
+        except GrammarError as exc:
+            raise BadRequest(str(exc), asked[2]) from None
+
     def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool,
-                n_max: int = MAX_CHOICES, prompt_logprobs: int | None = None) -> tuple[list[Request], asyncio.Queue]:
+                n_max: int = MAX_CHOICES, prompt_logprobs: int | None = None,
+                constraint=None) -> tuple[list[Request], asyncio.Queue]:
         """The request's fields read and checked (BadRequest names the one that is wrong), then its
         `n` choices queued for slots (QueueFull when the queue is: none of them then stays). Choice i
         samples with the seed plus i (one seed, n different samples, each reproducible). Their
@@ -815,7 +879,9 @@ class App:
         reqs = [Request(ids, max_tokens, replace(sampling, seed=sampling.seed + i),
                         lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
                         logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos,
-                        prompt_logprobs=prompt_logprobs) for i in range(n)]
+                        prompt_logprobs=prompt_logprobs,
+                        constraint=constraint if i == 0 or constraint is None else constraint.copy())
+                for i in range(n)]
         for req in reqs[1:] if prompt_logprobs is None else ():   # the others copy the first's prefilled prompt
             req.leader = reqs[0]
         try:
@@ -864,8 +930,10 @@ class App:
         from starlette.responses import JSONResponse
 
         try:
+            constraint = await self._constraint(body)
             reqs, events = self._submit(body, ids, logprobs, chat,
-                                        prompt_logprobs=logprobs if echo and logprobs is not None else None)
+                                        prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                                        constraint=constraint)
         except QueueFull as exc:
             return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

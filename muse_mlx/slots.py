@@ -40,6 +40,7 @@ import numpy as np
 
 from .errors import MuseError, NonFiniteError
 from .geometry import PREFILL_CHUNK
+from .grammar import GrammarError
 from .kv import SlotCache
 from .metrics import ServerMetrics
 from .sampling import Sampler, SamplerSettings, all_finite
@@ -100,6 +101,7 @@ class Request:
     slot: int | None = None              # llama-server's id_slot: wait for this slot (None: any)
     ignore_eos: bool = False             # llama-server's: the stop tokens are sampled as any other
     prompt_logprobs: int | None = None   # None: off; k >= 0: each prompt token's log-prob and the top k
+    constraint: object = None            # a grammar the output follows (grammar.Constraint), this request's own
     # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
     # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
     leader: "Request | None" = None
@@ -286,7 +288,8 @@ class Scheduler:
         """`request` takes `slot`: its own sampler (the penalties see the prompt), text streamer and stop state."""
         slot.request, slot.generated = request, 0
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
-        slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids)
+        slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids,
+                               request.constraint)
         slot.streamer = self.tokenizer.streamer()
         slot.stop = StopMatcher(request.stop_strings)
 
@@ -418,10 +421,22 @@ class Scheduler:
         each slot's next token back is built from that token's lazy value and submitted before any
         token is read, so the host's reading, detokenizing and emitting overlap the GPU's step. A
         slot that then stops (a stop token or string, a non-finite row) was fed its last token all
-        the same: its cache, and `tokens` with it, holds that token."""
-        for slot in slots:
-            if slot.next is None:   # its logits came from a prefill or a restore
-                slot.next = self._picks(slot)
+        the same: its cache, and `tokens` with it, holds that token. A slot with a grammar has its
+        next pick built once its token is read (the grammar's mask follows it), at the start of the
+        next step, and submitted alone ahead of that step's forward; it ends where its grammar
+        takes nothing more."""
+        picked = []
+        for slot in list(slots):
+            if slot.next is None:   # its logits came from a prefill or a restore, or its pick follows a grammar
+                try:
+                    slot.next = self._picks(slot)
+                except GrammarError as exc:   # its grammar allows no token: that request ends, the others go on
+                    self._finish(slot, error=str(exc))
+                    slots.remove(slot)
+                    continue
+                picked += slot.next
+        if picked:   # submitted alone, ahead of the step fed from them: reading them waits for them only
+            mx.async_eval(picked)
         ahead = [s for s in slots if s.cache.room > 0 and s.generated + 1 < s.request.max_tokens]
         if ahead:
             tokens = mx.concatenate([s.next[0].reshape(1, 1).astype(mx.int32) for s in ahead])
@@ -429,8 +444,9 @@ class Scheduler:
             logits = self.model(tokens, [s.cache for s in ahead])
             for b, slot in enumerate(ahead):
                 slot.fed, slot.logits = True, logits[b, 0]
-                slot.following = self._picks(slot)
-            mx.async_eval([x for s in ahead for x in s.following])
+                # a grammar's pick waits for this step's token to be read (its mask follows the text)
+                slot.following = None if slot.sampler.constraint is not None else self._picks(slot)
+            mx.async_eval([logits] + [x for s in ahead if s.following is not None for x in s.following])
         for slot in slots:
             token, finite, *logprobs = slot.next
             fed, slot.fed = slot.fed, False
@@ -444,6 +460,11 @@ class Scheduler:
             if t in self.tokenizer.stop_ids and not slot.request.ignore_eos:
                 self._finish(slot, "stop")
                 continue
+            try:
+                slot.sampler.read(t)
+            except GrammarError as exc:
+                self._finish(slot, error=str(exc))
+                continue
             slot.generated += 1
             event = {"token": t}
             if logprobs:
@@ -456,6 +477,8 @@ class Scheduler:
             slot.request.emit(event)
             if stopped:
                 self._finish(slot, "stop", flush=False)
+            elif slot.sampler.constraint is not None and slot.sampler.constraint.done:
+                self._finish(slot, "stop")   # the grammar takes nothing more
             elif not fed:   # max_tokens reached, or the context full
                 self._finish(slot, "length")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -23,6 +25,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from muse_mlx.generate import generate_tokens  # noqa: E402
+from muse_mlx.grammar import Grammars  # noqa: E402
 from muse_mlx.model import load  # noqa: E402
 from muse_mlx.sampling import Sampler, SamplerSettings  # noqa: E402
 from muse_mlx.tokenizer import MuseTokenizer  # noqa: E402
@@ -76,11 +79,14 @@ def solo(f32_fixture):
     tok = MuseTokenizer(model.artifact.vocabulary)
     memo = {}
 
-    def run(ids, n, settings=SamplerSettings(), as_ids=False):
-        key = (tuple(ids), n, settings)
+    def run(ids, n, settings=SamplerSettings(), as_ids=False, grammar=None):
+        """grammar: (kind, text) the output follows (grammar.Grammars.compile's)."""
+        key = (tuple(ids), n, settings, grammar)
         if key not in memo:
             cache = model.make_cache(max(CTX, len(ids) + n + 1))
-            memo[key] = list(generate_tokens(model, cache, list(ids), Sampler(settings, list(ids)), n, tok.stop_ids))
+            constraint = Grammars(tok).compile(*grammar, "g") if grammar else None
+            memo[key] = list(generate_tokens(model, cache, list(ids), Sampler(settings, list(ids), (), constraint), n,
+                                             tok.stop_ids))
         return memo[key] if as_ids else tok.decode(memo[key])
     return run
 
@@ -495,7 +501,6 @@ def test_context_policy(client):
     (b'{"prompt": "x", "best_of": 3}', "'best_of' is not served"),
     (b'{"prompt": "x", "echo": 1}', "'echo' must be a boolean"),
     (b'{"prompt": "x", "suffix": "end"}', "'suffix' is not served"),
-    (b'{"prompt": "x", "grammar": "root ::= [a-z]+"}', "'grammar' is not served"),
     (b'{"prompt": "x", "logprobs": 99}', "logprobs"),
     (b'\xff\xfe', "UTF-8"),
     (b'{"prompt": "a\\udc80b"}', "a lone surrogate (0xdc80) at character 1"),
@@ -518,10 +523,6 @@ def test_unserved_fields_at_their_neutral_values_are_taken(client):
     c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        temperature=0, response_format={"type": "text"})
     assert c.usage.completion_tokens <= 2
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert "'response_format' is not served" in str(exc.value)
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
@@ -1349,3 +1350,98 @@ def test_echo_scores_a_text_in_prefill_chunks(in_process, f32_fixture):
     assert r.status_code == 200 and texts[0] == tok.decode(ids)   # no log-probs asked: the prompt at once
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+# ---- constrained output (grammar.py; the design in docs/server.md, "Constrained output") ----
+
+YES_NO = 'root ::= ("yes" | "no") " " [a-z]+ (" " [a-z]+)* "."'
+BOUNDED = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                            "pick": {"enum": ["red", "blue"]}},
+           "required": ["n", "pick"], "additionalProperties": False}
+
+
+def test_constrained_requests_equal_their_solo_runs_beside_a_free_one(server, client, solo):
+    """A grammar (completions), a schema (llama-server's /completion) and a free request run at once
+    in the two slots and the queue: each output equals its solo run (the CLI's decode loop with the
+    same grammar), though a constrained slot's pick waits for its token's read while the others' do not."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    a, b, c = prompt_ids(9, 41), prompt_ids(14, 42), prompt_ids(6, 43)
+    schema = json.dumps(BOUNDED)
+
+    def constrained():
+        r = client.completions.create(model="m", prompt=a, max_tokens=30, temperature=0, extra_body={"grammar": YES_NO})
+        return r.choices[0].text
+
+    def free():
+        return client.completions.create(model="m", prompt=b, max_tokens=30, temperature=0).choices[0].text
+
+    def schema_route():
+        r = httpx.post(server + "/completion", headers=h, timeout=120,
+                       json={"prompt": c, "n_predict": 80, "temperature": 0, "json_schema": BOUNDED})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(3) as pool:
+        got = [pool.submit(f) for f in (constrained, free, schema_route)]
+        got = [g.result() for g in got]
+    assert got[0] == solo(a, 30, grammar=("gbnf", YES_NO))
+    assert re.fullmatch(r"(yes|no) [a-z]+( [a-z]+)*\.?", got[0]) or re.fullmatch(r"(yes|no)( [a-z]*)*", got[0])
+    assert got[1] == solo(b, 30) and got[1] != got[0]
+    assert got[2]["content"] == solo(c, 80, grammar=("json_schema", schema))
+    value = json.loads(got[2]["content"])
+    assert set(value) == {"n", "pick"} and 0 <= value["n"] <= 99 and value["pick"] in ("red", "blue")
+    assert got[2]["stop_type"] == "eos"
+
+
+def test_choices_under_one_grammar_keep_their_own_state(client, solo):
+    """n = 3, sampled: each choice follows the grammar from its own state (copies, not one shared
+    matcher) and equals its solo run with seed + i."""
+    ids = prompt_ids(8, 44)
+    settings = SamplerSettings(temp=0.9, seed=11)
+    r = client.completions.create(model="m", prompt=ids, max_tokens=25, temperature=0.9, seed=11, n=3,
+                                  extra_body={"grammar": YES_NO})
+    texts = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    for i, text in enumerate(texts):
+        assert text == solo(ids, 25, replace(settings, seed=11 + i), grammar=("gbnf", YES_NO)), i
+        assert text.startswith(("yes ", "no "))
+    assert len(set(texts)) > 1
+
+
+def test_response_format_on_chat_streamed_and_not(client):
+    """OpenAI's response_format: json_schema gives JSON the schema accepts, ending with `stop`;
+    json_object streamed gives a JSON object; the grammar's end is the request's."""
+    msgs = [{"role": "user", "content": "Pick a colour."}]
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=60, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "pick", "schema": BOUNDED, "strict": True}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"n", "pick"} and r.choices[0].finish_reason == "stop"
+    with client.chat.completions.create(model="m", messages=msgs, max_tokens=60, temperature=0, stream=True,
+                                        response_format={"type": "json_object"}) as stream:
+        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert isinstance(json.loads(text), dict)
+    r = client.completions.create(model="m", prompt="Is it", max_tokens=10, temperature=0,
+                                  extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields,param,fragment", [
+    ({"grammar": "root ::= foo"}, "grammar", "grammar does not compile"),
+    ({"grammar": 5}, "grammar", "must be a string"),
+    ({"json_schema": {"type": 5}}, "json_schema", "json_schema does not compile"),
+    ({"json_schema": [1]}, "json_schema", "must be an object"),
+    ({"grammar": 'root ::= "a"', "json_schema": {}}, "grammar", "both constrain the output"),
+    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "grammar", "both constrain"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs 'json_schema'"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be"),
+    ({"response_format": "json"}, "response_format", "must be"),
+    ({"grammar": 'root ::= "' + "a" * 300_000 + '"'}, "grammar", "more than 256 KiB"),
+    ({"grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000}, "grammar", "does not compile"),
+])
+def test_bad_grammars_are_400_naming_the_field(server, fields, param, fragment):
+    for route in ("/v1/completions", "/completion"):
+        r = httpx.post(server + route, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"prompt": "The", "max_tokens": 3, **fields})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and fragment in err["message"], err
+    assert httpx.get(server + "/health").status_code == 200

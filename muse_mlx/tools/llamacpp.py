@@ -164,6 +164,37 @@ class LlamaCpp:
                 logits = self._decode([token], len(prompt) + i, True)[0]
         return out
 
+    def grammar_greedy(self, prompt, n: int, gbnf: str) -> list[int]:
+        """Greedy continuation of at most `n` tokens under a GBNF grammar, by llama.cpp's own grammar
+        sampler (llama_sampler_init_grammar, applied to each step's logits before the argmax, then
+        told the token), up to the first end-of-generation token (not included)."""
+        L = self.L
+        grammar = L.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root")
+        if not grammar:
+            raise MuseError("llama.cpp refused the grammar")
+        try:
+            self.reset()
+            prompt = [int(t) for t in prompt]
+            logits = self._decode(prompt, 0, True)[-1]
+            data = (L.llama_token_data * self.n_vocab)()
+            out = []
+            for i in range(n):
+                for t in range(self.n_vocab):
+                    data[t].id, data[t].logit, data[t].p = t, float(logits[t]), 0.0
+                candidates = L.llama_token_data_array(data, self.n_vocab, -1, False)
+                L.llama_sampler_apply(grammar, ctypes.byref(candidates))
+                masked = np.array([data[t].logit for t in range(candidates.size)], dtype=np.float32)
+                token = int(data[int(np.argmax(masked))].id)
+                if self.is_eog(token):
+                    break
+                L.llama_sampler_accept(grammar, token)
+                out.append(token)
+                if i + 1 < n:
+                    logits = self._decode([token], len(prompt) + i, True)[0]
+            return out
+        finally:
+            L.llama_sampler_free(grammar)
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         L = self.L
         data = text.encode("utf-8")

@@ -1,0 +1,141 @@
+"""Constrained output: a grammar the generated text must follow (llama.cpp's --grammar and
+--json-schema, OpenAI's response_format), through llguidance.
+
+`Grammars` holds llguidance's view of one vocabulary and compiles a request's grammar (GBNF, a
+JSON schema) into a `Constraint`: per request, the tokens allowed next (`allowed`, a bool row for
+the sampler) and the tokens taken (`read`). docs/server.md, "Constrained output", gives the design.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MuseError
+
+MAX_GRAMMAR_BYTES = 256 * 1024   # a grammar's or schema's text at most
+# The whitespace a JSON schema's text may hold between its parts: llama.cpp's json-schema-to-grammar's
+# `space` rule (nothing, a space, or one or two newlines and up to 20 spaces or tabs), where
+# llguidance's own default takes any run of whitespace. A schema's "x-guidance" may set another.
+JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
+KINDS = ("gbnf", "json_schema")
+
+
+class GrammarError(MuseError):
+    """A grammar or schema that does not compile, or a constrained generation that cannot go on."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:   # a declared dependency: only a broken install lacks it
+        raise GrammarError("constrained output needs llguidance (pip install llguidance)") from None
+    return llguidance
+
+
+class Grammars:
+    """llguidance's token table for one tokenizer (made once: ~10 ms for 4,096 tokens, about a
+    second for the pinned 202,048) and the compiler of grammars over it."""
+
+    def __init__(self, tokenizer):
+        llg = _llguidance()
+        tokens = []
+        for i, text in enumerate(tokenizer.vocab.tokens):
+            if i in tokenizer.special_ids:   # rendered raw, as llama.cpp's token_to_piece(special=true)
+                raw = text.encode("utf-8", "surrogatepass")
+                if i in tokenizer.control_ids or (raw.startswith(b"<") and raw.endswith(b">")):
+                    raw = b"\xff" + raw   # llguidance's mark of a special token: no text matches it
+                tokens.append(raw)
+            else:
+                tokens.append(tokenizer.token_bytes(i))
+        stops = sorted(tokenizer.stop_ids)
+
+        class Wrapper:   # what llguidance.TokenizerWrapper reads
+            eos_token_id = stops[0] if stops else None
+            bos_token_id = tokenizer.bos_id
+            special_token_ids = sorted(tokenizer.special_ids)
+
+            def __call__(self, data: bytes) -> list[int]:
+                return tokenizer.encode(data.decode("utf-8", "replace"), add_bos=False)
+        Wrapper.tokens = tokens
+        self.n_vocab = len(tokens)
+        self._llg = llg
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Wrapper()), eos_token=stops or None)
+
+    def compile(self, kind: str, text: str, what: str) -> "Constraint":
+        """A new constraint from a grammar (`grammar_of`'s arguments). GrammarError when it does not compile."""
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar_of(kind, text, what), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{what} does not compile: {_one_line(matcher.get_error())}")
+        return Constraint(matcher, self.n_vocab, what)
+
+
+def grammar_of(kind: str, text: str, what: str) -> str:
+    """llguidance's grammar from `kind` "gbnf" (the grammar's text) or "json_schema" (the schema's JSON
+    text), checked without a vocabulary (so a CLI can refuse it before the weights load); `what`
+    names it in an error. GrammarError when it does not compile."""
+    llg = _llguidance()
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{what} is more than {MAX_GRAMMAR_BYTES // 1024} KiB")
+    try:
+        if kind == "gbnf":
+            grammar = llg.grammar_from("gbnf", text)
+        elif kind == "json_schema":
+            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        else:
+            raise ValueError(f"unknown grammar kind {kind!r}")
+    except (ValueError, RecursionError) as exc:
+        raise GrammarError(f"{what} does not compile: {_one_line(exc)}") from None
+    problem = llg.LLMatcher.validate_grammar(grammar, None)
+    if problem:
+        raise GrammarError(f"{what} does not compile: {_one_line(problem)}")
+    return grammar
+
+
+class Constraint:
+    """One request's grammar state: the tokens allowed next, and the tokens taken so far."""
+
+    def __init__(self, matcher, n_vocab: int, what: str):
+        self._matcher, self.n_vocab, self.what = matcher, n_vocab, what
+
+    def copy(self) -> "Constraint":
+        """An independent one in the same state (another choice of one request)."""
+        return Constraint(self._matcher.deep_copy(), self.n_vocab, self.what)
+
+    def allowed(self, n_logits: int) -> mx.array:
+        """(n_logits,) bool: the tokens that keep the text in the grammar's language (a logit past
+        the vocabulary's never is)."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        self._check()
+        row = np.zeros(n_logits, dtype=bool)
+        n = min(n_logits, self.n_vocab)
+        row[:n] = np.unpackbits(bits, bitorder="little")[:n]
+        if not row.any():
+            raise GrammarError(f"{self.what}: no token can continue the text here")
+        return mx.array(row)
+
+    def read(self, token: int) -> None:
+        """The token taken (drawn from `allowed`'s tokens, so it is one of them)."""
+        self._matcher.consume_token(int(token))
+        self._check()
+
+    @property
+    def done(self) -> bool:
+        """Nothing more can follow: the text is a whole sentence of the grammar, and ends it."""
+        return self._matcher.is_stopped()
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise GrammarError(f"{self.what}: {_one_line(self._matcher.get_error())}")
+
+
+def _one_line(exc, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def schema_text(schema) -> str:
+    """A JSON schema (an object, or True for any value) as the JSON text llguidance compiles."""
+    return json.dumps(schema, ensure_ascii=False, allow_nan=False)
