@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     grammar.add_argument("--json-schema-file", "-jf", metavar="FILE", help="--json-schema, read from a file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system-prompt", help="system message for --chat")
+    p.add_argument("--chat-template-kwargs", metavar="JSON",
+                   help="the chat template's own variables as a JSON object, e.g. '{\"reasoning_strength\": \"low\"}' "
+                        "(llama.cpp's flag)")
     p.add_argument("--chat-template-file", metavar="FILE",
                    help="a Jinja chat template for --chat in place of the GGUF's (llama.cpp's flag)")
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
@@ -202,6 +205,25 @@ def _logit_bias(text: str) -> tuple[int, float]:
     return int(m.group(1)), float(m.group(2))
 
 
+def _template_kwargs(text: str | None) -> dict:
+    """--chat-template-kwargs: a JSON object of the template's variables (not `messages` or
+    `add_generation_prompt`, which the run gives)."""
+    if text is None:
+        return {}
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise MuseError(f"--chat-template-kwargs is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise MuseError("--chat-template-kwargs must be a JSON object of the template's variables")
+    taken = sorted(set(value) & {"messages", "add_generation_prompt"})
+    if taken:
+        raise MuseError(f"--chat-template-kwargs may not set {taken[0]!r}: the run gives it")
+    return value
+
+
 def _grammar_text(args) -> tuple[str, str, str] | None:
     """(kind, text, flag) of the grammar asked for, read from its file where one is named."""
     from .grammar import MAX_GRAMMAR_BYTES
@@ -241,6 +263,9 @@ def run(argv: list[str] | None = None) -> int:
         problems.append("--system-prompt needs --chat")
     if args.chat_template_file is not None and not args.chat:
         problems.append("--chat-template-file needs --chat")
+    template_kwargs = _template_kwargs(args.chat_template_kwargs)
+    if template_kwargs and not args.chat:
+        problems.append("--chat-template-kwargs needs --chat")
     if args.prompt_cache_bytes < 0:
         problems.append(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
     if problems:
@@ -280,7 +305,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
             [{"role": "user", "content": prompt}]
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, **template_kwargs), add_bos=False)
     else:
         prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:

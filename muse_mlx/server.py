@@ -198,11 +198,11 @@ UNSERVED = {
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
     "mirostat": (0,), "typical_p": (1.0, 1), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
     "dry_multiplier": (0.0, 0), "top_n_sigma": (-1.0, -1), "post_sampling_probs": (False,),
-    # llama-server's chat rendering options: the template's own variables, an assistant message continued,
-    # the reasoning split out of the answer
-    "chat_template_kwargs": ({},), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "reasoning_format": ("none",),
+    # llama-server's chat rendering options: an assistant message continued, the reasoning split out of the answer
+    "continue_final_message": (False,), "reasoning_format": ("none",),
 }
+# What a chat request gives its template itself: `chat_template_kwargs` may not set these.
+TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt"})
 
 
 def refuse_unserved(body: dict) -> None:
@@ -763,14 +763,31 @@ class App:
             return self.error(exc.message, exc.status, exc.param)
 
     def _chat_prompt(self, body: dict) -> str:
-        """The request's `messages` rendered by the GGUF's chat template (in its sandbox)."""
+        """The request's `messages` rendered by the GGUF's chat template (in its sandbox), with
+        llama-server's `chat_template_kwargs` (the template's own variables, e.g. muse-glimmer's
+        `reasoning_strength`, `knowledge_cutoff`, `current_date`) and `add_generation_prompt`."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise BadRequest("'messages' must be a list of {role, content} objects", "messages")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise BadRequest("'chat_template_kwargs' must be an object of the template's variables",
+                             "chat_template_kwargs")
+        if set(kwargs) & TEMPLATE_INPUTS:
+            raise BadRequest(f"'chat_template_kwargs' may not set {sorted(set(kwargs) & TEMPLATE_INPUTS)[0]!r}: the "
+                             f"request gives it", "chat_template_kwargs")
+        rendered = []
+        for m in messages:
+            message = {"role": m["role"], "content": message_text(m.get("content"))}
+            if m.get("reasoning_content") is not None:   # an assistant turn's reasoning, as llama-server passes it
+                if not isinstance(m["reasoning_content"], str):
+                    raise BadRequest("a message's 'reasoning_content' must be a string", "messages")
+                message["reasoning_content"] = m["reasoning_content"]
+            rendered.append(message)
         try:
-            return self.tokenizer.apply_chat_template([{"role": m["role"], "content": message_text(m.get("content"))}
-                                                       for m in messages])
+            return self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=_boolean(body, "add_generation_prompt", True), **kwargs)
         except MuseError as exc:
             raise BadRequest(f"the chat template failed: {exc}", "messages") from None
 

@@ -295,7 +295,9 @@ class MuseTokenizer:
         return self.chat_template_file[0] if self.chat_template_file else (self.vocab.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """Render the GGUF's chat template (compiled once, on first use) in a bounded sandbox.
+        """Render the GGUF's chat template (compiled once, on first use) in a bounded sandbox; `extra`:
+        the template's own variables (llama.cpp's chat_template_kwargs), which may also replace
+        bos_token and eos_token, as llama.cpp's may.
 
         Any failure -- invalid UTF-8, a template that does not compile, one that fails,
         recurses, runs too long or writes too much when rendered -- is one `TokenizerError`.
@@ -308,8 +310,9 @@ class MuseTokenizer:
             self._template = compile_chat_template(self.vocab.chat_template)
         bos = self.vocab.tokens[self.bos_id] if self.bos_id is not None else ""
         eos = self.vocab.tokens[self.vocab.eos_id] if self.vocab.eos_id is not None else ""
-        return _render(self._template, dict(messages=messages, bos_token=bos, eos_token=eos,
-                                            add_generation_prompt=add_generation_prompt, **extra))
+        context = dict(bos_token=bos, eos_token=eos, add_generation_prompt=add_generation_prompt)
+        context.update(extra)   # the template's own variables, over the defaults (as llama.cpp's extra context)
+        return _render(self._template, dict(context, messages=messages))
 
 
 class TextStreamer:

@@ -81,6 +81,34 @@ def test_chat_template_file(f32_fixture, tmp_path):
     assert run_cli(*base).stdout != r.stdout
 
 
+def test_chat_template_kwargs(f32_fixture, tmp_path):
+    """--chat-template-kwargs (llama.cpp's flag): the template's own variables reach it (the output is
+    the greedy continuation of the text plain jinja2 renders with them); a value that is not a JSON
+    object, or one setting what the run gives, is one line and exit 2."""
+    import jinja2
+
+    template = TEMPLATE.replace("{% endfor %}", "{% endfor %}({{ mood }})")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    base = ["--model", str(f32_fixture), "--chat", "-p", "What is a ring?", "-m", "6", "--chat-template-file", str(path)]
+    r = run_cli(*base, "--chat-template-kwargs", '{"mood": "terse"}')
+    assert r.returncode == 0, r.stderr
+    text = jinja2.Template(template).render(messages=[{"role": "user", "content": "What is a ring?"}],
+                                            add_generation_prompt=True, mood="terse")
+    assert "(terse)" in text
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    tokens = list(generate_tokens(model, model.make_cache(256), tok.encode(text, add_bos=False),
+                                  Sampler(SamplerSettings()), 6, tok.stop_ids))
+    assert r.stdout == tok.decode(tokens) + "\n"
+    for bad, fragment in [("[1]", "must be a JSON object"), ("{", "is not JSON"),
+                          ('{"messages": []}', "may not set 'messages'")]:
+        r = run_cli(*base, "--chat-template-kwargs", bad)
+        assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_cli("--model", str(f32_fixture), "-p", "x", "--chat-template-kwargs", '{"mood": "terse"}')
+    assert r.returncode == 2 and "needs --chat" in r.stderr
+
+
 @pytest.mark.parametrize("content, fragment", [
     (None, "cannot be read"), (b"{% for m in messages %}", "does not compile: line 1"),
     (b"\xff{{ 1 }}", "is not UTF-8: byte 0 (0xff)"), (b"{{ 1/0 }}", None),

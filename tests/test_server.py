@@ -414,8 +414,7 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"typical_p": 0.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"xtc_probability": 0.5}, "xtc_probability"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
     ({"dynatemp_range": 0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
-    ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
-    ({"add_generation_prompt": False}, "add_generation_prompt"), ({"continue_final_message": True}, "continue_final_message"),
+    ({"continue_final_message": True}, "continue_final_message"),
     ({"reasoning_format": "auto"}, "reasoning_format"),
 ])
 def test_llama_server_completion_bad_requests(server, body, param):
@@ -564,21 +563,63 @@ def test_apply_template_is_the_chat_prompt(server, client):
 
 def test_chat_template_file(f32_fixture, tmp_path):
     """--chat-template-file: the chat route renders with it (/apply-template's prompt is that
-    template's text for the messages, rendered here by plain jinja2), /props shows it."""
+    template's text for the messages, an assistant turn's reasoning_content among them, rendered here
+    by plain jinja2), /props shows it."""
     import jinja2
 
-    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+    template = ("{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}({{ m.reasoning_content }})"
+                "{% endif %}{{ m.content }}\n{% endfor %}<|assistant|>")
     path = tmp_path / "t.jinja"
     path.write_text(template)
     proc, base = start_server(f32_fixture, "--chat-template-file", str(path), "--no-warmup", parallel=1)
     try:
-        msgs = [{"role": "user", "content": "What is a ring?"}]
+        msgs = [{"role": "user", "content": "What is a ring?"},
+                {"role": "assistant", "content": "A loop.", "reasoning_content": "Think of a buffer."}]
         r = httpx.post(base + "/apply-template", json={"messages": msgs})
         assert r.status_code == 200 and r.json()["prompt"] == jinja2.Template(template).render(messages=msgs)
+        assert "(Think of a buffer.)" in r.json()["prompt"]   # an assistant turn's reasoning, as llama-server passes it
         assert httpx.get(base + "/props").json()["chat_template"] == template
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_chat_template_kwargs_and_generation_prompt(server, client, f32_fixture):
+    """llama-server's chat_template_kwargs (the template's own variables: the fixture template's
+    reasoning_strength, current_date, knowledge_cutoff, as muse-glimmer's) and add_generation_prompt
+    reach the template: /apply-template's prompt is plain jinja2's rendering of the same template and
+    values, and the chat route prefills that prompt. Bad values are a 400 naming the field."""
+    import jinja2
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    template = httpx.get(server + "/props", headers=h).json()["chat_template"]
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    msgs = [{"role": "user", "content": "What is a ring?"}, {"role": "assistant", "content": "A loop."},
+            {"role": "user", "content": "And a plane?"}]
+    kw = {"reasoning_strength": "low", "current_date": "2026-12-05", "knowledge_cutoff": "2025-01-01"}
+    prompts = {}
+    for agp in (True, False):
+        r = httpx.post(server + "/apply-template", headers=h,
+                       json={"messages": msgs, "chat_template_kwargs": kw, "add_generation_prompt": agp})
+        assert r.status_code == 200, r.text
+        prompts[agp] = r.json()["prompt"]
+        want = jinja2.Template(template).render(messages=msgs, bos_token=tok.vocab.tokens[tok.bos_id],
+                                                add_generation_prompt=agp, **kw)
+        assert prompts[agp] == want
+    assert "Reasoning strength: low." in prompts[True] and "Current date: 2026-12-05." in prompts[True]
+    assert prompts[True] != prompts[False]
+    ids = httpx.post(server + "/tokenize", headers=h, json={"content": prompts[True]}).json()["tokens"]
+    chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0,
+                                          extra_body={"chat_template_kwargs": kw})
+    plain = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0)
+    assert chat.usage.prompt_tokens == len(ids) != plain.usage.prompt_tokens
+    for body, param in [({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                        ({"messages": msgs[:1] + [{"role": "assistant", "content": "x", "reasoning_content": 5}]},
+                         "messages")]:
+        r = httpx.post(server + "/v1/chat/completions", headers=h, json={"messages": msgs, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_chat_bad_requests(server):
