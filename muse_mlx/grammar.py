@@ -66,9 +66,13 @@ class Grammars:
 
     def compile(self, kind: str, text: str, what: str) -> "Constraint":
         """A new constraint from a grammar (`grammar_of`'s arguments). GrammarError when it does not compile."""
-        matcher = self._llg.LLMatcher(self.tokenizer, grammar_of(kind, text, what), log_level=0)
+        llg = self._llg
+        matcher = llg.LLMatcher(self.tokenizer, grammar_of(kind, text, what), log_level=0, limits=_limits(llg))
         if matcher.is_error():
             raise GrammarError(f"{what} does not compile: {_one_line(matcher.get_error())}")
+        first = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)   # a grammar no text can start fails here
+        if matcher.is_error() or not first.any():
+            raise GrammarError(f"{what} admits no text: no token can start it")
         return Constraint(matcher, self.n_vocab, what)
 
 
@@ -88,7 +92,7 @@ def grammar_of(kind: str, text: str, what: str) -> str:
             raise ValueError(f"unknown grammar kind {kind!r}")
     except (ValueError, RecursionError) as exc:
         raise GrammarError(f"{what} does not compile: {_one_line(exc)}") from None
-    problem = llg.LLMatcher.validate_grammar(grammar, None)
+    problem = llg.LLMatcher.validate_grammar(grammar, None, limits=_limits(llg))
     if problem:
         raise GrammarError(f"{what} does not compile: {_one_line(problem)}")
     return grammar
@@ -113,7 +117,7 @@ class Constraint:
         n = min(n_logits, self.n_vocab)
         row[:n] = np.unpackbits(bits, bitorder="little")[:n]
         if not row.any():
-            raise GrammarError(f"{self.what}: no token can continue the text here")
+            raise GrammarError(f"{self.what} admits no text past what was generated: no token can continue it")
         return mx.array(row)
 
     def read(self, token: int) -> None:
@@ -128,7 +132,15 @@ class Constraint:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise GrammarError(f"{self.what}: {_one_line(self._matcher.get_error())}")
+            error = _one_line(self._matcher.get_error())
+            if error.startswith("NoExtensionBias"):   # llguidance's word for a dead end
+                raise GrammarError(f"{self.what} admits no text past what was generated: no token can continue it")
+            raise GrammarError(f"{self.what}: {error}")
+
+
+def _limits(llg):
+    """llguidance's bounds at their defaults, with its errors kept short (no parser state in them)."""
+    return llg.LLParserLimits(verbose_errors=False)
 
 
 def _one_line(exc, limit: int = 300) -> str:

@@ -165,6 +165,12 @@ def _logit_bias_pairs(pairs: list, n_vocab: int) -> tuple:
     return tuple(sorted(out.items()))
 
 
+def _error_kind(ev: dict) -> tuple[int, str]:
+    """An engine event's error as (HTTP status, OpenAI error type): the request's own (its grammar's
+    dead end) is a 400, anything else the server's 500."""
+    return (400, "invalid_request_error") if ev.get("invalid") else (500, "server_error")
+
+
 def _prompt_events(evs: list[dict]) -> list[dict]:
     """The prompt's tokens as token events (what _completion_lps reads) from its prompt_logprobs events."""
     return [{"token": t, "logprob": lp, "top_logprobs": top}
@@ -714,8 +720,9 @@ class App:
                     while True:
                         _, ev = await events.get()
                         if "error" in ev:
-                            yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
-                                                                 "code": 500}})}
+                            status, kind = _error_kind(ev)
+                            yield {"data": json.dumps({"error": {"message": ev["error"], "type": kind,
+                                                                 "code": status}})}
                             finished = True
                             return
                         if "finish_reason" in ev:
@@ -928,7 +935,8 @@ class App:
                         return JSONResponse({}, status_code=499)
                     continue
                 if "error" in ev:
-                    return self.error(ev["error"], 500, None, "server_error")
+                    status, kind = _error_kind(ev)
+                    return self.error(ev["error"], status, None, kind)
                 if "finish_reason" in ev:
                     last[i] = ev
                 else:
@@ -1028,7 +1036,7 @@ class App:
                     yield chunk(index, echoed, evs=_prompt_events(prompt_evs[index]))
                     prompt_evs[index] = None
                 if "error" in ev:
-                    yield {"data": json.dumps({"error": {"message": ev["error"], "type": "server_error",
+                    yield {"data": json.dumps({"error": {"message": ev["error"], "type": _error_kind(ev)[1],
                                                          "param": None, "code": None}})}
                     break
                 if "finish_reason" in ev:

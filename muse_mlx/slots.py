@@ -15,7 +15,8 @@ Requests hear back through `emit` (called from this thread; the HTTP side makes 
 `{"prompt_logprobs": [(id, log-prob or None, [(id, log-prob), ...]), ...]}` per prefill chunk when the
 request asks for them, then `{"text": delta, "token": id, "logprob": ..., "top_logprobs": [...]}` per token, then
 `{"finish_reason": "stop" | "length", "stop_type": "eos" | "word" | "limit", "stopping_word": str,
-"usage": {...}, "timings": {...}, "id_slot": n}`, or `{"error": message}` (stop_type and stopping_word
+"usage": {...}, "timings": {...}, "id_slot": n}`, or `{"error": message}` (with `"invalid": true` where the
+request's own grammar ended it) (stop_type and stopping_word
 are llama-server's: a stop token, a stop string (the one matched), a length limit).
 A request cancelled by its client (`cancel()`) frees its slot at the next loop. `timings` are
 llama-server's: the prompt tokens taken from the prompt cache (`cache_n`) and prefilled
@@ -431,7 +432,7 @@ class Scheduler:
                 try:
                     slot.next = self._picks(slot)
                 except GrammarError as exc:   # its grammar allows no token: that request ends, the others go on
-                    self._finish(slot, error=str(exc))
+                    self._finish(slot, error=str(exc), invalid=True)
                     slots.remove(slot)
                     continue
                 picked += slot.next
@@ -463,7 +464,7 @@ class Scheduler:
             try:
                 slot.sampler.read(t)
             except GrammarError as exc:
-                self._finish(slot, error=str(exc))
+                self._finish(slot, error=str(exc), invalid=True)
                 continue
             slot.generated += 1
             event = {"token": t}
@@ -482,10 +483,12 @@ class Scheduler:
             elif not fed:   # max_tokens reached, or the context full
                 self._finish(slot, "length")
 
-    def _finish(self, slot: Slot, reason: str | None = None, error: str | None = None, flush: bool = True) -> None:
+    def _finish(self, slot: Slot, reason: str | None = None, error: str | None = None, flush: bool = True,
+                invalid: bool = False) -> None:
+        """invalid: the error is the request's own (its grammar reached a dead end), not the engine's."""
         request = slot.request
         if error is not None:
-            request.emit({"error": error})
+            request.emit({"error": error, "invalid": True} if invalid else {"error": error})
         else:
             if flush:   # the streamer's partial character and the text held back for a stop string
                 tail, stopped = slot.stop.push(slot.streamer.flush())

@@ -1477,8 +1477,10 @@ def test_response_format_on_chat_streamed_and_not(client):
     ({"response_format": "json"}, "response_format", "must be"),
     ({"grammar": 'root ::= "' + "a" * 300_000 + '"'}, "grammar", "more than 256 KiB"),
     ({"grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000}, "grammar", "does not compile"),
+    ({"grammar": "root ::= a\na ::= a"}, "grammar", "admits no text"),
 ])
 def test_bad_grammars_are_400_naming_the_field(server, fields, param, fragment):
+    """Each refused before the request queues: a grammar that does not compile, or that no text can start."""
     for route in ("/v1/completions", "/completion"):
         r = httpx.post(server + route, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                        json={"prompt": "The", "max_tokens": 3, **fields})
@@ -1486,3 +1488,19 @@ def test_bad_grammars_are_400_naming_the_field(server, fields, param, fragment):
         err = r.json()["error"]
         assert err["param"] == param and fragment in err["message"], err
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_a_grammar_that_dead_ends_is_the_request_s_400(server, client):
+    """A grammar that compiles and starts ("a") but admits no text after it ends its request when the
+    dead end comes, with a 400 naming the grammar (non-streamed; streamed, an error event of that
+    type); the slot is free again and the server answers the next request."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "The", "max_tokens": 8, "temperature": 0, "grammar": 'root ::= "a" b\nb ::= b "c"'}
+    r = httpx.post(server + "/v1/completions", headers=h, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "grammar admits no text past what was generated" in err["message"]
+    with httpx.stream("POST", server + "/v1/completions", headers=h, json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model="m", prompt="The", max_tokens=2, temperature=0).usage.completion_tokens == 2
