@@ -339,7 +339,9 @@ class App:
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/completion", self.llama_completion, methods=["POST"]),
                   Route("/completions", self.llama_completion, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat, methods=["POST"])]
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/responses", self.responses, methods=["POST"])]
 
         async def http_error(request, exc):
             return self.error(exc.detail, status=exc.status_code, kind="not_found_error" if exc.status_code == 404
@@ -768,6 +770,69 @@ class App:
             return await self._serve(request, body, ids, top if want else None, chat=True)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
+
+    # The chat fields a Responses request's own fields become, for naming them in an error.
+    RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+
+    async def responses(self, request):
+        """OpenAI's Responses API (muse_mlx/responses.py): the chat route under that API's request,
+        answer and stream."""
+        from starlette.responses import JSONResponse
+
+        from . import responses
+
+        try:
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            try:
+                chat = responses.to_chat(body)
+                refuse_unserved(chat)
+                ids = await self._encode(self._chat_prompt(chat), False, "messages")
+                constraint = await self._constraint(chat)
+                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint)
+            except BadRequest as exc:   # named as the Responses request named it
+                param = self.RESPONSES_PARAMS.get(exc.param, exc.param)
+                raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
+            except responses.InputError as exc:
+                raise BadRequest(exc.message, exc.param) from None
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        except QueueFull as exc:
+            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
+        rendering = responses.Rendering(self.model_name, body)
+        if _boolean(chat, "stream"):
+            from sse_starlette.sse import EventSourceResponse
+
+            return EventSourceResponse(self._response_events(reqs, events, rendering), ping=15, send_timeout=30)
+        got = await self._collect(request, reqs, events)
+        if not isinstance(got, list):
+            return got
+        (evs, last), = got
+        return JSONResponse(rendering.response("completed", "".join(e.get("text", "") for e in evs), last))
+
+    async def _response_events(self, reqs: list[Request], events: asyncio.Queue, rendering):
+        """A response's stream: its opening events, a delta a piece of text, then its closing events
+        (or an error event)."""
+        finished, parts = False, []
+        try:
+            for event in rendering.opening():
+                yield event
+            while True:
+                _, ev = await events.get()
+                if "error" in ev:
+                    yield rendering.failure(ev["error"], _error_kind(ev)[1])
+                    break
+                if "finish_reason" in ev:
+                    for event in rendering.closing("".join(parts), ev):
+                        yield event
+                    finished = True
+                    break
+                if ev.get("text"):
+                    parts.append(ev["text"])
+                    yield rendering.delta(ev["text"])
+        finally:
+            if not finished:   # an error, or the client went away: the slot is freed at the next step
+                for req in reqs:
+                    req.cancel()
 
     def _chat_prompt(self, body: dict) -> str:
         """The request's `messages` rendered by the GGUF's chat template (in its sandbox), with

@@ -1504,3 +1504,73 @@ def test_a_grammar_that_dead_ends_is_the_request_s_400(server, client):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert events[-1]["error"]["type"] == "invalid_request_error"
     assert client.completions.create(model="m", prompt="The", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+# ---- OpenAI's Responses API (responses.py) ----
+
+def test_responses_api_is_the_chat_route_under_its_names(client):
+    """responses.create: `input` and `instructions` as the chat's messages (llama-server's
+    conversion; a developer message is a system one, an earlier output message an assistant one),
+    `max_output_tokens` as max_tokens: the same text and token counts as the chat route gives; a
+    response cut by its limit is `incomplete` with OpenAI's reason."""
+    kw = dict(model="m", temperature=0)
+    r = client.responses.create(input="What is a ring?", instructions="Be brief.", max_output_tokens=8, **kw)
+    chat = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "What is a ring?"}], max_tokens=8, **kw)
+    assert r.output_text == chat.choices[0].message.content and r.object == "response"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    items = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "What is a ring?"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A loop."}]},
+             {"role": "user", "content": "And a plane?"}]
+    r = client.responses.create(input=items, max_output_tokens=6, **kw)
+    chat = client.chat.completions.create(messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a ring?"},
+        {"role": "assistant", "content": "A loop."}, {"role": "user", "content": "And a plane?"}], max_tokens=6, **kw)
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_responses_api_stream_and_text_format(client):
+    """The stream is the Responses API's events in order, numbered from 0, whose deltas are the
+    answer's text; `text.format` (OpenAI's structured output) constrains it, and the client's own
+    stream helper assembles a completed response from the events."""
+    kw = dict(model="m", temperature=0, input="What is a ring?")
+    whole = client.responses.create(max_output_tokens=8, **kw)
+    events = list(client.responses.create(max_output_tokens=8, stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events[4:-4]) == whole.output_text == events[-4].text
+    schema = {"type": "object", "properties": {"pick": {"enum": ["red", "blue"]}}, "required": ["pick"],
+              "additionalProperties": False}
+    with client.responses.stream(max_output_tokens=60, text={"format": {"type": "json_schema", "name": "pick",
+                                                                        "schema": schema}}, **kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.status == "completed" and json.loads(final.output_text)["pick"] in ("red", "blue")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"), ({"input": 5}, "input"), ({"input": []}, "input"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "instructions": 5}, "instructions"),
+    ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+])
+def test_responses_api_bad_requests(server, body, param):
+    r = httpx.post(server + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error", err
