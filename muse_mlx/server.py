@@ -341,6 +341,8 @@ class App:
                   Route("/completions", self.llama_completion, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/responses", self.responses, methods=["POST"]),
+                  Route("/v1/messages", self.anthropic_messages, methods=["POST"]),
+                  Route("/v1/messages/count_tokens", self.anthropic_count_tokens, methods=["POST"]),
                   Route("/responses", self.responses, methods=["POST"])]
 
         async def http_error(request, exc):
@@ -802,16 +804,71 @@ class App:
         if _boolean(chat, "stream"):
             from sse_starlette.sse import EventSourceResponse
 
-            return EventSourceResponse(self._response_events(reqs, events, rendering), ping=15, send_timeout=30)
+            return EventSourceResponse(self._api_events(reqs, events, rendering), ping=15, send_timeout=30)
         got = await self._collect(request, reqs, events)
         if not isinstance(got, list):
             return got
         (evs, last), = got
         return JSONResponse(rendering.response("completed", "".join(e.get("text", "") for e in evs), last))
 
-    async def _response_events(self, reqs: list[Request], events: asyncio.Queue, rendering):
-        """A response's stream: its opening events, a delta a piece of text, then its closing events
-        (or an error event)."""
+    # The chat fields a Messages request's own fields become, for naming them in an error.
+    MESSAGES_PARAMS = {"stop": "stop_sequences"}
+
+    async def _anthropic_chat(self, request) -> tuple[dict, list[int]]:
+        """A Messages request as the chat request it equals (messages_api.py), and its prompt's tokens."""
+        from . import messages_api
+
+        body = parse_json(await read_body(request, JSON_MAX_BYTES))
+        try:
+            chat = messages_api.to_chat(body)
+            return chat, await self._encode(self._chat_prompt(chat), False, "messages")
+        except messages_api.InputError as exc:
+            raise BadRequest(exc.message, exc.param) from None
+
+    async def anthropic_messages(self, request):
+        """Anthropic's Messages API (muse_mlx/messages_api.py): the chat route under that API's request,
+        answer and stream, as llama-server serves it."""
+        from starlette.responses import JSONResponse
+
+        from . import messages_api
+
+        try:
+            try:
+                chat, ids = await self._anthropic_chat(request)
+                refuse_unserved(chat)
+                constraint = await self._constraint(chat)
+                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint)
+            except BadRequest as exc:   # named as the Messages request named it
+                param = self.MESSAGES_PARAMS.get(exc.param, exc.param)
+                raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        except QueueFull as exc:
+            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
+        rendering = messages_api.Rendering(self.model_name, len(ids))
+        if _boolean(chat, "stream"):
+            from sse_starlette.sse import EventSourceResponse
+
+            return EventSourceResponse(self._api_events(reqs, events, rendering), ping=15, send_timeout=30)
+        got = await self._collect(request, reqs, events)
+        if not isinstance(got, list):
+            return got
+        (evs, last), = got
+        return JSONResponse(rendering.message("".join(e.get("text", "") for e in evs), last))
+
+    async def anthropic_count_tokens(self, request):
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens a Messages request would prefill."""
+        from starlette.responses import JSONResponse
+
+        try:
+            _, ids = await self._anthropic_chat(request)
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def _api_events(self, reqs: list[Request], events: asyncio.Queue, rendering):
+        """The stream of the Responses or Messages API (the rendering's): its opening events, a delta
+        a piece of text, then its closing events (or an error event)."""
         finished, parts = False, []
         try:
             for event in rendering.opening():
@@ -1176,7 +1233,8 @@ def _ok(response, what: str) -> None:
 
 
 class _AuthMiddleware:
-    """Bearer-token check on every route but /health (when the server has an API key)."""
+    """The API key on every route but /health (when the server has one): `Authorization: Bearer KEY`,
+    or, where that header is absent, `X-Api-Key: KEY` (Anthropic's clients' header)."""
 
     def __init__(self, app, app_state: App):
         self.app, self.state = app, app_state
@@ -1184,9 +1242,12 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.state.api_key is not None and scope["path"] != "/health":
             headers = dict(scope.get("headers") or [])
-            expected = f"Bearer {self.state.api_key}".encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(headers.get(b"authorization", b""), expected):   # in constant time
-                response = App.error("invalid or missing API key (Authorization: Bearer ...)", 401, None,
+            key = self.state.api_key.encode("utf-8", "surrogateescape")
+            given = headers.get(b"authorization")
+            if given is None:   # Anthropic's clients send the key as X-Api-Key (llama-server takes either)
+                given = b"Bearer " + headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(given, b"Bearer " + key):   # in constant time
+                response = App.error("invalid or missing API key (Authorization: Bearer ..., or X-Api-Key)", 401, None,
                                      "authentication_error")
                 await response(scope, receive, send)
                 return

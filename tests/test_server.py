@@ -1574,3 +1574,69 @@ def test_responses_api_bad_requests(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error", err
+
+
+# ---- Anthropic's Messages API (messages_api.py), as llama-server serves it ----
+
+@pytest.fixture(scope="module")
+def claude(server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)   # sends X-Api-Key
+
+
+def test_messages_api_is_the_chat_route_under_its_names(claude, client):
+    """messages.create through Anthropic's own client (its key as X-Api-Key): `system` (a string, or
+    text blocks joined) and the turns as the chat's messages, the same text and token counts as the
+    chat route; Anthropic's stop reasons (max_tokens; stop_sequence with the one matched, as the chat
+    route's stop strings); count_tokens as the chat's prompt tokens."""
+    greedy = {"temperature": 0}
+    msgs = [{"role": "user", "content": "What is a ring?"}]
+    chat = client.chat.completions.create(model="m", messages=[{"role": "system", "content": "Be brief."}, *msgs],
+                                          max_tokens=8, temperature=0)
+    for system in ("Be brief.", [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]):
+        m = claude.messages.create(model="m", max_tokens=8, system=system, messages=msgs, extra_body=greedy)
+        assert m.content[0].text == chat.choices[0].message.content and m.stop_reason == "max_tokens"
+        assert (m.usage.input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert claude.messages.count_tokens(model="m", system="Be brief.", messages=msgs).input_tokens == \
+        chat.usage.prompt_tokens
+    free = client.chat.completions.create(model="m", messages=msgs, max_tokens=30, temperature=0)
+    text = free.choices[0].message.content
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].isalpha())
+    m = claude.messages.create(model="m", max_tokens=30, messages=msgs, stop_sequences=[stop], extra_body=greedy)
+    cut = client.chat.completions.create(model="m", messages=msgs, max_tokens=30, temperature=0, stop=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == cut.choices[0].message.content
+
+
+def test_messages_api_stream(server, claude):
+    """The stream is Anthropic's events in order, whose deltas are the message's text; the client's
+    stream helper assembles the same message."""
+    kw = dict(model="m", max_tokens=8, messages=[{"role": "user", "content": "What is a ring?"}])
+    whole = claude.messages.create(extra_body={"temperature": 0}, **kw)
+    with claude.messages.stream(extra_body={"temperature": 0}, **kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text and final.stop_reason == "max_tokens"
+    with httpx.stream("POST", server + "/v1/messages", headers={"X-Api-Key": KEY}, timeout=60,
+                      json={**kw, "stream": True, "temperature": 0}) as r:
+        kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[:3] == ["message_start", "content_block_start", "ping"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[3:-3]) == {"content_block_delta"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"), ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "system": 5}, "system"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": ["x" * 5000]}, "stop_sequences"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
+])
+def test_messages_api_bad_requests(server, body, param):
+    r = httpx.post(server + "/v1/messages", headers={"X-Api-Key": KEY}, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(server + "/v1/messages", headers={"X-Api-Key": "nope"}, json=body).status_code == 401
