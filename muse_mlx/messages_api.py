@@ -108,6 +108,10 @@ class Rendering:
                 "content": [] if text is None else [{"type": "text", "text": text}],
                 "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
 
+    def final(self, text: str, last: dict) -> dict:
+        """The answer: the message, done."""
+        return self.message(text, last)
+
     @staticmethod
     def event(kind: str, **fields) -> dict:
         return {"event": kind, "data": json.dumps({"type": kind, **fields})}

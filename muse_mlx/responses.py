@@ -131,6 +131,10 @@ class Rendering:
             out["timings"] = last.get("timings")
         return out
 
+    def final(self, text: str, last: dict) -> dict:
+        """The answer: the response object, done."""
+        return self.response("completed", text, last)
+
     def message(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [self.part(text)]
         return {"id": self.message_id, "type": "message", "role": "assistant", "status": status, "content": content}

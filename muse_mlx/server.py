@@ -773,98 +773,79 @@ class App:
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
 
-    # The chat fields a Responses request's own fields become, for naming them in an error.
-    RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
-
     async def responses(self, request):
         """OpenAI's Responses API (muse_mlx/responses.py): the chat route under that API's request,
         answer and stream."""
-        from starlette.responses import JSONResponse
-
         from . import responses
 
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
-            try:
-                chat = responses.to_chat(body)
-                refuse_unserved(chat)
-                ids = await self._encode(self._chat_prompt(chat), False, "messages")
-                constraint = await self._constraint(chat)
-                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint)
-            except BadRequest as exc:   # named as the Responses request named it
-                param = self.RESPONSES_PARAMS.get(exc.param, exc.param)
-                raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
-            except responses.InputError as exc:
-                raise BadRequest(exc.message, exc.param) from None
+            chat = responses.to_chat(body)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
-        except QueueFull as exc:
-            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
-        rendering = responses.Rendering(self.model_name, body)
-        if _boolean(chat, "stream"):
-            from sse_starlette.sse import EventSourceResponse
-
-            return EventSourceResponse(self._api_events(reqs, events, rendering), ping=15, send_timeout=30)
-        got = await self._collect(request, reqs, events)
-        if not isinstance(got, list):
-            return got
-        (evs, last), = got
-        return JSONResponse(rendering.response("completed", "".join(e.get("text", "") for e in evs), last))
-
-    # The chat fields a Messages request's own fields become, for naming them in an error.
-    MESSAGES_PARAMS = {"stop": "stop_sequences"}
-
-    async def _anthropic_chat(self, request) -> tuple[dict, list[int]]:
-        """A Messages request as the chat request it equals (messages_api.py), and its prompt's tokens."""
-        from . import messages_api
-
-        body = parse_json(await read_body(request, JSON_MAX_BYTES))
-        try:
-            chat = messages_api.to_chat(body)
-            return chat, await self._encode(self._chat_prompt(chat), False, "messages")
-        except messages_api.InputError as exc:
-            raise BadRequest(exc.message, exc.param) from None
+        except responses.InputError as exc:
+            return self.error(exc.message, 400, exc.param)
+        return await self._serve_as(request, chat, lambda ids: responses.Rendering(self.model_name, body),
+                                    {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"})
 
     async def anthropic_messages(self, request):
         """Anthropic's Messages API (muse_mlx/messages_api.py): the chat route under that API's request,
         answer and stream, as llama-server serves it."""
-        from starlette.responses import JSONResponse
-
         from . import messages_api
 
         try:
-            try:
-                chat, ids = await self._anthropic_chat(request)
-                refuse_unserved(chat)
-                constraint = await self._constraint(chat)
-                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint)
-            except BadRequest as exc:   # named as the Messages request named it
-                param = self.MESSAGES_PARAMS.get(exc.param, exc.param)
-                raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
+            chat = messages_api.to_chat(parse_json(await read_body(request, JSON_MAX_BYTES)))
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
-        except QueueFull as exc:
-            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
-        rendering = messages_api.Rendering(self.model_name, len(ids))
-        if _boolean(chat, "stream"):
-            from sse_starlette.sse import EventSourceResponse
-
-            return EventSourceResponse(self._api_events(reqs, events, rendering), ping=15, send_timeout=30)
-        got = await self._collect(request, reqs, events)
-        if not isinstance(got, list):
-            return got
-        (evs, last), = got
-        return JSONResponse(rendering.message("".join(e.get("text", "") for e in evs), last))
+        except messages_api.InputError as exc:
+            return self.error(exc.message, 400, exc.param)
+        return await self._serve_as(request, chat, lambda ids: messages_api.Rendering(self.model_name, len(ids)),
+                                    {"stop": "stop_sequences"})
 
     async def anthropic_count_tokens(self, request):
         """Anthropic's /v1/messages/count_tokens: the prompt's tokens a Messages request would prefill."""
         from starlette.responses import JSONResponse
 
+        from . import messages_api
+
         try:
-            _, ids = await self._anthropic_chat(request)
+            chat = messages_api.to_chat(parse_json(await read_body(request, JSON_MAX_BYTES)))
+            ids = await self._encode(self._chat_prompt(chat), False, "messages")
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
+        except messages_api.InputError as exc:
+            return self.error(exc.message, 400, exc.param)
         return JSONResponse({"input_tokens": len(ids)})
+
+    async def _serve_as(self, http, chat: dict, rendering_of, names: dict):
+        """A chat request made from another API's (the Responses or Messages API), answered in that
+        API's terms: `rendering_of(prompt ids)` renders its answer (`final`) and stream; `names` maps
+        the chat's fields to that API's, so that an error names the field the client sent."""
+        from starlette.responses import JSONResponse
+
+        try:
+            try:
+                refuse_unserved(chat)
+                ids = await self._encode(self._chat_prompt(chat), False, "messages")
+                constraint = await self._constraint(chat)
+                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint)
+            except BadRequest as exc:
+                param = names.get(exc.param, exc.param)
+                raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
+        except BadRequest as exc:
+            return self.error(exc.message, exc.status, exc.param)
+        except QueueFull as exc:
+            return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
+        rendering = rendering_of(ids)
+        if _boolean(chat, "stream"):
+            from sse_starlette.sse import EventSourceResponse
+
+            return EventSourceResponse(self._api_events(reqs, events, rendering), ping=15, send_timeout=30)
+        got = await self._collect(http, reqs, events)
+        if not isinstance(got, list):
+            return got
+        (evs, last), = got
+        return JSONResponse(rendering.final("".join(e.get("text", "") for e in evs), last))
 
     async def _api_events(self, reqs: list[Request], events: asyncio.Queue, rendering):
         """The stream of the Responses or Messages API (the rendering's): its opening events, a delta
