@@ -9,6 +9,7 @@ the sampler) and the tokens taken (`read`). docs/server.md, "Constrained output"
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -42,11 +43,13 @@ class Grammars:
     def __init__(self, tokenizer):
         llg = _llguidance()
         tokens = []
+        self._special: dict[str, int] = {}   # the text of each token marked special -> its (lowest) id
         for i, text in enumerate(tokenizer.vocab.tokens):
             if i in tokenizer.special_ids:   # rendered raw, as llama.cpp's token_to_piece(special=true)
                 raw = text.encode("utf-8", "surrogatepass")
                 if i in tokenizer.control_ids or (raw.startswith(b"<") and raw.endswith(b">")):
                     raw = b"\xff" + raw   # llguidance's mark of a special token: no text matches it
+                    self._special.setdefault(text, i)
                 tokens.append(raw)
             else:
                 tokens.append(tokenizer.token_bytes(i))
@@ -63,6 +66,20 @@ class Grammars:
         self.n_vocab = len(tokens)
         self._llg = llg
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Wrapper()), eos_token=stops or None)
+        self._texts = [t[1:] if t.startswith(b"\xff") else t for t in tokens]
+
+    def special_id(self, text: str) -> int | None:
+        """The id of a token with this text that the table marks special (a grammar names it
+        <[id]>: its text is not matched by a grammar's text), or None."""
+        return self._special.get(text)
+
+    def lazy(self, kind: str, text: str, what: str, trigger: str, ends_with: str) -> "LazyConstraint":
+        """A grammar that holds the output from where `trigger` (a regular expression over the text,
+        special tokens shown, whose group 1 is where the grammar starts, and whose every match ends
+        with the character `ends_with`) first matches it: llama.cpp's lazy grammars. Compiled now, so
+        that a grammar that does not compile is refused before generation."""
+        self.compile(kind, text, what)
+        return LazyConstraint(self, kind, text, what, re.compile(trigger), ends_with.encode())
 
     def compile(self, kind: str, text: str, what: str) -> "Constraint":
         """A new constraint from a grammar (`grammar_of`'s arguments). GrammarError when it does not compile."""
@@ -84,8 +101,8 @@ def grammar_of(kind: str, text: str, what: str) -> str:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"{what} is more than {MAX_GRAMMAR_BYTES // 1024} KiB")
     try:
-        if kind == "gbnf":
-            grammar = llg.grammar_from("gbnf", text)
+        if kind in ("gbnf", "lark"):
+            grammar = llg.grammar_from(kind, text)
         elif kind == "json_schema":
             grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WHITESPACE})
         else:
@@ -136,6 +153,64 @@ class Constraint:
             if error.startswith("NoExtensionBias"):   # llguidance's word for a dead end
                 raise GrammarError(f"{self.what} admits no text past what was generated: no token can continue it")
             raise GrammarError(f"{self.what}: {error}")
+
+
+class LazyConstraint:
+    """A grammar that applies once the text matches its trigger (Grammars.lazy): until then every
+    token is allowed (`allowed` gives None); at the match, the grammar takes the tokens from the
+    trigger's group on, which must start on a token's boundary (llama.cpp feeds the grammar text; a
+    group that starts inside a token leaves the output unconstrained)."""
+
+    def __init__(self, grammars: Grammars, kind: str, text: str, what: str, trigger, ends_with: bytes):
+        self._grammars, self._spec, self._trigger, self._trigger_end = grammars, (kind, text, what), trigger, ends_with
+        self._tokens: list[int] = []
+        self._text = b""
+        self._inner: Constraint | None = None
+        self._off = False   # the trigger matched inside a token
+
+    def copy(self) -> "LazyConstraint":
+        out = LazyConstraint(self._grammars, *self._spec, self._trigger, self._trigger_end)
+        out._tokens, out._text, out._off = list(self._tokens), self._text, self._off
+        out._inner = self._inner.copy() if self._inner is not None else None
+        return out
+
+    def allowed(self, n_logits: int):
+        return self._inner.allowed(n_logits) if self._inner is not None else None
+
+    def read(self, token: int) -> None:
+        if self._inner is not None:
+            self._inner.read(token)
+            return
+        if self._off:
+            return
+        piece = self._grammars._texts[int(token)] if 0 <= token < len(self._grammars._texts) else b""
+        self._tokens.append(int(token))
+        self._text += piece
+        if self._trigger_end not in piece:   # a match ends with the trigger's last character: not before it
+            return
+        text = self._text.decode("utf-8", "replace")
+        match = self._trigger.search(text)
+        if match is None:
+            return
+        at = len(text[:match.start(1)].encode("utf-8"))
+        ends = [0]
+        for t in self._tokens:
+            ends.append(ends[-1] + len(self._grammars._texts[t]))
+        if at not in ends:
+            self._off = True
+            return
+        inner = self._grammars.compile(*self._spec)
+        for t in self._tokens[ends.index(at):]:
+            inner.read(t)
+        self._inner = inner
+
+    @property
+    def done(self) -> bool:
+        return self._inner is not None and self._inner.done
+
+    @property
+    def what(self) -> str:
+        return self._spec[2]
 
 
 def _limits(llg):

@@ -23,7 +23,8 @@ class InputError(ValueError):
 
 # Responses fields that ask for what is not served here, at the values that ask for nothing.
 UNSERVED = {"previous_response_id": (None, ""), "include": (None, []), "background": (None, False),
-            "conversation": (None,), "prompt": (None,), "top_logprobs": (None, 0)}
+            "conversation": (None,), "prompt": (None,), "top_logprobs": (None, 0),
+            "tools": (None, []), "tool_choice": (None, "auto", "none")}
 
 
 def to_chat(body: dict) -> dict:

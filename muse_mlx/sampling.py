@@ -158,7 +158,9 @@ class Sampler:
         step can be built on it before it is computed (generate.generate_tokens)."""
         logits = self.process(logits.reshape(-1).astype(mx.float32))
         if self.constraint is not None:   # the grammar first, then the filters see only what it allows
-            logits = mx.where(self.constraint.allowed(logits.shape[-1]), logits, -mx.inf)
+            allowed = self.constraint.allowed(logits.shape[-1])   # None: a lazy grammar not yet triggered
+            if allowed is not None:
+                logits = mx.where(allowed, logits, -mx.inf)
         if self.settings.temp == 0:
             token = mx.argmax(logits)
         else:

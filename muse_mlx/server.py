@@ -26,7 +26,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, cli
+from . import __version__, chat_format, cli
 from .cli import Parser
 from .config import KernelConfig
 from .errors import MuseError
@@ -200,15 +200,15 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # that ask for nothing (what a client sends by default): any other value is refused by name rather
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
-    "tools": ([],), "functions": ([],), "best_of": (1,), "suffix": ("",),
+    "functions": ([],), "best_of": (1,), "suffix": ("",),
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
     "mirostat": (0,), "typical_p": (1.0, 1), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
     "dry_multiplier": (0.0, 0), "top_n_sigma": (-1.0, -1), "post_sampling_probs": (False,),
-    # llama-server's chat rendering options: an assistant message continued, the reasoning split out of the answer
-    "continue_final_message": (False,), "reasoning_format": ("none",),
+    # llama-server's chat rendering option: an assistant message continued
+    "continue_final_message": (False,),
 }
 # What a chat request gives its template itself: `chat_template_kwargs` may not set these.
-TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt"})
+TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 def refuse_unserved(body: dict) -> None:
@@ -300,12 +300,16 @@ class App:
 
     def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None, model_id: dict,
                  slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S, batch_invariant: bool = False,
-                 metrics: bool = False):
+                 metrics: bool = False, reasoning_format: str = "auto"):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
         self.incoming_ttl_s, self.batch_invariant, self.metrics = incoming_ttl_s, batch_invariant, metrics
         self._grammars: Grammars | None = None   # llguidance's token table, made at the first grammar
         self._grammars_lock = threading.Lock()
+        self.reasoning_format = reasoning_format   # llama-server's --reasoning-format: a request's default
+        # the chat template's answers are read (reasoning, content, tool calls) where it is muse-glimmer's
+        self.reads_answers = chat_format.is_muse_glimmer(tokenizer.chat_template)
+        self._shown = tokenizer.token_ids(chat_format.PRESERVED) & tokenizer.control_ids - tokenizer.stop_ids
 
     @property
     def blob_max_bytes(self) -> int:
@@ -764,12 +768,13 @@ class App:
             refuse_unserved(body)
             if _boolean(body, "echo"):
                 raise BadRequest("'echo' is served on /v1/completions only", "echo")
-            ids = await self._encode(self._chat_prompt(body), False, "messages")
+            fmt, tools = self._chat_format(body)
+            ids = await self._encode(self._chat_prompt(body, tools), False, "messages")
             want = _boolean(body, "logprobs")
             top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
             if top and not want:
                 raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-            return await self._serve(request, body, ids, top if want else None, chat=True)
+            return await self._serve(request, body, ids, top if want else None, chat=True, fmt=fmt)
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
 
@@ -810,7 +815,7 @@ class App:
 
         try:
             chat = messages_api.to_chat(parse_json(await read_body(request, JSON_MAX_BYTES)))
-            ids = await self._encode(self._chat_prompt(chat), False, "messages")
+            ids = await self._encode(self._chat_prompt(chat, self._chat_format(chat)[1]), False, "messages")
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         except messages_api.InputError as exc:
@@ -826,9 +831,10 @@ class App:
         try:
             try:
                 refuse_unserved(chat)
-                ids = await self._encode(self._chat_prompt(chat), False, "messages")
-                constraint = await self._constraint(chat)
-                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint)
+                fmt, tools = self._chat_format(chat)
+                ids = await self._encode(self._chat_prompt(chat, tools), False, "messages")
+                constraint = await self._constraint(chat, fmt)
+                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint, fmt=fmt)
             except BadRequest as exc:
                 param = names.get(exc.param, exc.param)
                 raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
@@ -840,17 +846,20 @@ class App:
         if _boolean(chat, "stream"):
             from sse_starlette.sse import EventSourceResponse
 
-            return EventSourceResponse(self._api_events(reqs, events, rendering), ping=15, send_timeout=30)
+            return EventSourceResponse(self._api_events(reqs, events, rendering, fmt), ping=15, send_timeout=30)
         got = await self._collect(http, reqs, events)
         if not isinstance(got, list):
             return got
         (evs, last), = got
-        return JSONResponse(rendering.final("".join(e.get("text", "") for e in evs), last))
+        answer = chat_format.message_of(fmt, "".join(e.get("text", "") for e in evs))
+        return JSONResponse(rendering.final(answer.content, last))
 
-    async def _api_events(self, reqs: list[Request], events: asyncio.Queue, rendering):
+    async def _api_events(self, reqs: list[Request], events: asyncio.Queue, rendering, fmt):
         """The stream of the Responses or Messages API (the rendering's): its opening events, a delta
-        a piece of text, then its closing events (or an error event)."""
+        a piece of the answer's content (chat_format.AnswerStream: reasoning is not shown by these
+        APIs here), then its closing events (or an error event)."""
         finished, parts = False, []
+        answer = chat_format.AnswerStream(fmt, lambda: "") if fmt is not None else None
         try:
             for event in rendering.opening():
                 yield event
@@ -865,17 +874,43 @@ class App:
                     finished = True
                     break
                 if ev.get("text"):
-                    parts.append(ev["text"])
-                    yield rendering.delta(ev["text"])
+                    pieces = [ev["text"]] if answer is None else [d["content"] for d in answer.push(ev["text"])
+                                                                  if "content" in d]
+                    for piece in pieces:
+                        parts.append(piece)
+                        yield rendering.delta(piece)
         finally:
             if not finished:   # an error, or the client went away: the slot is freed at the next step
                 for req in reqs:
                     req.cancel()
 
-    def _chat_prompt(self, body: dict) -> str:
+    def _chat_format(self, body: dict) -> tuple[chat_format.ChatFormat | None, tuple]:
+        """How the request's answer is read (chat_format.ChatFormat; None where the template is not
+        muse-glimmer's: its text is the content) and the tools its prompt shows."""
+        if not self.reads_answers:
+            if body.get("tools") or body.get("tool_choice") not in (None, "auto", "none"):
+                raise BadRequest("'tools' need a chat template with a tool-call format (muse-glimmer's ATEM "
+                                 "markup); this model's template has none", "tools")
+            if body.get("reasoning_format") not in (None, *chat_format.REASONING_FORMATS):
+                raise BadRequest(f"'reasoning_format' must be one of {', '.join(chat_format.REASONING_FORMATS)}",
+                                 "reasoning_format")
+            return None, ()
+        try:
+            fmt, tools = chat_format.read_format(body, self.reasoning_format)
+        except chat_format.FormatError as exc:
+            raise BadRequest(exc.message, exc.param) from None
+        if fmt.tools and any(body.get(k) not in (None, "") for k in ("grammar", "json_schema")) or (
+                fmt.tools and isinstance(body.get("response_format"), dict)
+                and body["response_format"].get("type") not in (None, "text")):
+            raise BadRequest("'tools' cannot be used with a grammar, a JSON schema or a response_format", "tools")
+        return fmt, tools
+
+    def _chat_prompt(self, body: dict, tools: tuple = ()) -> str:
         """The request's `messages` rendered by the GGUF's chat template (in its sandbox), with
         llama-server's `chat_template_kwargs` (the template's own variables, e.g. muse-glimmer's
-        `reasoning_strength`, `knowledge_cutoff`, `current_date`) and `add_generation_prompt`."""
+        `reasoning_strength`, `knowledge_cutoff`, `current_date`) and `add_generation_prompt`; the
+        `tools` offered, an assistant message's `tool_calls` and a tool message's `tool_call_id` and
+        `name`, as llama.cpp hands them to the template."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -888,13 +923,27 @@ class App:
             raise BadRequest(f"'chat_template_kwargs' may not set {sorted(set(kwargs) & TEMPLATE_INPUTS)[0]!r}: the "
                              f"request gives it", "chat_template_kwargs")
         rendered = []
-        for m in messages:
-            message = {"role": m["role"], "content": message_text(m.get("content"))}
+        for i, m in enumerate(messages):
+            calls = m.get("tool_calls") if m["role"] == "assistant" else None
+            content = m.get("content")
+            message = {"role": m["role"], "content": "" if content is None and calls else message_text(content)}
             if m.get("reasoning_content") is not None:   # an assistant turn's reasoning, as llama-server passes it
                 if not isinstance(m["reasoning_content"], str):
                     raise BadRequest("a message's 'reasoning_content' must be a string", "messages")
                 message["reasoning_content"] = m["reasoning_content"]
+            if calls:
+                try:
+                    message["tool_calls"] = chat_format.template_tool_calls(calls, i)
+                except chat_format.FormatError as exc:
+                    raise BadRequest(exc.message, exc.param) from None
+            for key in ("tool_call_id", "name") if m["role"] == "tool" else ():
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise BadRequest(f"a tool message's '{key}' must be a string", "messages")
+                    message[key] = m[key]
             rendered.append(message)
+        if tools:
+            kwargs = {**kwargs, "tools": [t.as_template_input() for t in tools]}
         try:
             return self.tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=_boolean(body, "add_generation_prompt", True), **kwargs)
@@ -907,7 +956,8 @@ class App:
         from starlette.responses import JSONResponse
 
         try:
-            return JSONResponse({"prompt": self._chat_prompt(parse_json(await read_body(request, JSON_MAX_BYTES)))})
+            body = parse_json(await read_body(request, JSON_MAX_BYTES))
+            return JSONResponse({"prompt": self._chat_prompt(body, self._chat_format(body)[1])})
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
 
@@ -957,18 +1007,31 @@ class App:
         raise BadRequest("'prompt' must be a string, a list of token ids, or a list of token ids and strings",
                          "prompt")
 
-    async def _constraint(self, body: dict):
+    async def _constraint(self, body: dict, fmt: chat_format.ChatFormat | None = None):
         """The request's grammar compiled (grammar.Constraint), or None; on a worker thread (llguidance
-        drops the GIL while it compiles: a large grammar takes up to a second)."""
+        drops the GIL while it compiles: a large grammar takes up to a second). With a chat format
+        (muse-glimmer's template), tools hold a call to their grammar (from the first token with
+        tool_choice required, else from the trigger on), and a JSON schema holds the answer's message
+        (its reasoning messages free), as llama.cpp's chat layer builds them."""
         asked = grammar_request(body)
-        if asked is None:
+        if fmt is not None and fmt.tools:
+            asked = ("lark", None, "tools")
+        elif asked is None:
             return None
 
         def compile_it():
             with self._grammars_lock:
                 if self._grammars is None:
                     self._grammars = Grammars(self.tokenizer)
-            return self._grammars.compile(*asked)
+            grammars = self._grammars
+            if fmt is not None and fmt.tools:
+                text = chat_format.tools_grammar(fmt, grammars.special_id)
+                if fmt.required:
+                    return grammars.compile("lark", text, "the tools' grammar")
+                return grammars.lazy("lark", text, "the tools' grammar", chat_format.TRIGGER, ">")
+            if fmt is not None and asked[0] == "json_schema":
+                return grammars.compile("lark", chat_format.answer_grammar(asked[1], grammars.special_id), asked[2])
+            return grammars.compile(*asked)
         try:
             return await asyncio.get_running_loop().run_in_executor(None, compile_it)
         except GrammarError as exc:
@@ -976,7 +1039,7 @@ class App:
 
     def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool,
                 n_max: int = MAX_CHOICES, prompt_logprobs: int | None = None,
-                constraint=None) -> tuple[list[Request], asyncio.Queue]:
+                constraint=None, fmt: chat_format.ChatFormat | None = None) -> tuple[list[Request], asyncio.Queue]:
         """The request's fields read and checked (BadRequest names the one that is wrong), then its
         `n` choices queued for slots (QueueFull when the queue is: none of them then stays). Choice i
         samples with the seed plus i (one seed, n different samples, each reproducible). Their
@@ -1007,7 +1070,8 @@ class App:
                         lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
                         logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos,
                         prompt_logprobs=prompt_logprobs,
-                        constraint=constraint if i == 0 or constraint is None else constraint.copy())
+                        constraint=constraint if i == 0 or constraint is None else constraint.copy(),
+                        shown=self._shown if fmt is not None else frozenset())
                 for i in range(n)]
         for req in reqs[1:] if prompt_logprobs is None else ():   # the others copy the first's prefilled prompt
             req.leader = reqs[0]
@@ -1051,17 +1115,19 @@ class App:
                 for req in reqs:
                     req.cancel()
 
-    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool, echo: bool = False):
+    async def _serve(self, http, body: dict, ids: list[int], logprobs: int | None, chat: bool, echo: bool = False,
+                     fmt: chat_format.ChatFormat | None = None):
         """OpenAI's answer; with `echo` (completions) the prompt's text comes first, and with
         logprobs each prompt token's log-prob too (the first's None: nothing predicts it), as
-        OpenAI's legacy completions gave them for scoring a text (max_tokens 0)."""
+        OpenAI's legacy completions gave them for scoring a text (max_tokens 0). `fmt`: how a chat
+        answer is read into its reasoning, content and tool calls (None: the text is the content)."""
         from starlette.responses import JSONResponse
 
         try:
-            constraint = await self._constraint(body)
+            constraint = await self._constraint(body, fmt)
             reqs, events = self._submit(body, ids, logprobs, chat,
                                         prompt_logprobs=logprobs if echo and logprobs is not None else None,
-                                        constraint=constraint)
+                                        constraint=constraint, fmt=fmt)
         except QueueFull as exc:
             return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -1070,7 +1136,7 @@ class App:
             from sse_starlette.sse import EventSourceResponse
 
             echoed = self.tokenizer.decode(ids) if echo else None
-            return EventSourceResponse(self._stream(reqs, events, rid, created, chat, body, echoed),
+            return EventSourceResponse(self._stream(reqs, events, rid, created, chat, body, echoed, fmt),
                                        ping=15, send_timeout=30)
         got = await self._collect(http, reqs, events)
         if not isinstance(got, list):
@@ -1082,7 +1148,10 @@ class App:
             content = echoed + "".join(e.get("text", "") for e in evs)
             choice = {"index": index, "finish_reason": last["finish_reason"]}
             if chat:
-                choice["message"] = {"role": "assistant", "content": content}
+                answer = chat_format.message_of(fmt, content)
+                choice["message"] = self._chat_message(answer)
+                if answer.tool_calls and last["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
                 choice["logprobs"] = {"content": [self._chat_lp(e) for e in lps]} if logprobs is not None else None
             else:
                 choice["text"] = content
@@ -1097,15 +1166,29 @@ class App:
             out["timings"], out["id_slot"] = lasts[0]["timings"], lasts[0].get("id_slot")
         return JSONResponse(out)
 
+    @staticmethod
+    def _chat_message(answer: chat_format.Message) -> dict:
+        """A chat answer as OpenAI's message (llama-server's: `reasoning_content` where there is any)."""
+        message = {"role": "assistant", "content": answer.content}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        if answer.tool_calls:
+            message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                      "function": {"name": name, "arguments": arguments}}
+                                     for name, arguments in answer.tool_calls]
+        return message
+
     async def _stream(self, reqs: list[Request], events: asyncio.Queue, rid: str, created: int, chat: bool,
-                      body: dict, echoed: str | None = None):
+                      body: dict, echoed: str | None = None, fmt: chat_format.ChatFormat | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
         logprobs = reqs[0].logprobs
+        answers = [chat_format.AnswerStream(fmt, _call_id) for _ in reqs] if chat and fmt is not None else None
 
-        def chunk(index, delta_text=None, finish=None, ev=None, role=False, last=None, evs=None):
+        def chunk(index, delta_text=None, finish=None, ev=None, role=False, last=None, evs=None, delta=None):
             if chat:
-                delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
+                if delta is None:
+                    delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
                 c = {"index": index, "delta": delta, "finish_reason": finish}
                 if ev is not None and logprobs is not None:
                     c["logprobs"] = {"content": [self._chat_lp(ev)]}
@@ -1144,7 +1227,17 @@ class App:
                     break
                 if "finish_reason" in ev:
                     lasts[index] = ev
-                    yield chunk(index, finish=ev["finish_reason"], last=ev)
+                    finish = ev["finish_reason"]
+                    if answers is not None and finish == "stop" and answers[index].message().tool_calls:
+                        finish = "tool_calls"
+                    yield chunk(index, finish=finish, last=ev)
+                elif answers is not None:   # the answer's reasoning, content and tool calls as they grow
+                    deltas = answers[index].push(ev.get("text", ""))
+                    token_ev = ev if "token" in ev else None
+                    if not deltas and token_ev is not None and logprobs is not None:
+                        yield chunk(index, ev=token_ev)
+                    for k, d in enumerate(deltas):
+                        yield chunk(index, delta=d, ev=token_ev if k == 0 else None)
                 elif ev.get("text") or "token" in ev:
                     yield chunk(index, ev.get("text", ""), ev=ev if "token" in ev else None)
             else:
@@ -1192,6 +1285,10 @@ class App:
             return out
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in evs],
                 "top_logprobs": [top(e) for e in evs], "text_offset": offsets}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _plain_name(name) -> str:
@@ -1264,7 +1361,8 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
         raise MuseError(f"--slot-save-path {save_path}: not a folder")
     ttl = getattr(args, "kv_incoming_ttl", INCOMING_TTL_S)
     app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path, ttl,
-              bool(config.batch_invariant), bool(getattr(args, "metrics", False)))
+              bool(config.batch_invariant), bool(getattr(args, "metrics", False)),
+              getattr(args, "reasoning_format", "auto"))
     return app, scheduler
 
 
@@ -1284,6 +1382,10 @@ def _command(argv=None) -> int:
                         f"(0: keep; default {INCOMING_TTL_S:.0f})")
     p.add_argument("--chat-template-file", metavar="FILE",
                    help="a Jinja chat template for the chat route in place of the GGUF's (llama-server's flag)")
+    p.add_argument("--reasoning-format", default="auto", choices=chat_format.REASONING_FORMATS,
+                   help="a muse-glimmer chat answer's reasoning: split into 'reasoning_content' (auto, deepseek, "
+                        "deepseek-legacy) or left in the content (none); a request's reasoning_format overrides "
+                        "it (default auto, llama-server's)")
     p.add_argument("--metrics", action="store_true", help="serve GET /metrics (Prometheus text, llama-server's names)")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
     p.add_argument("--batch-invariant", action="store_true",

@@ -103,6 +103,7 @@ class Request:
     ignore_eos: bool = False             # llama-server's: the stop tokens are sampled as any other
     prompt_logprobs: int | None = None   # None: off; k >= 0: each prompt token's log-prob and the top k
     constraint: object = None            # a grammar the output follows (grammar.Constraint), this request's own
+    shown: frozenset = frozenset()       # control tokens whose text the output shows (a chat format's markup)
     # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
     # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
     leader: "Request | None" = None
@@ -291,7 +292,7 @@ class Scheduler:
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
         slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids,
                                request.constraint)
-        slot.streamer = self.tokenizer.streamer()
+        slot.streamer = self.tokenizer.streamer(request.shown)
         slot.stop = StopMatcher(request.stop_strings)
 
     def _admit(self, slot: Slot, request: Request) -> None:

@@ -285,8 +285,15 @@ class MuseTokenizer:
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def streamer(self) -> "TextStreamer":
-        return TextStreamer(self)
+    def streamer(self, shown=frozenset()) -> "TextStreamer":
+        """shown: control tokens rendered as their text here (llama-server's preserved tokens of a
+        chat format, which its parser reads)."""
+        return TextStreamer(self, shown)
+
+    def token_ids(self, texts) -> frozenset:
+        """The ids of the tokens whose text is one of `texts`."""
+        wanted = set(texts)
+        return frozenset(i for i, t in enumerate(self.vocab.tokens) if t in wanted)
 
     # ---- chat --------------------------------------------------------------------------
     @property
@@ -318,11 +325,13 @@ class MuseTokenizer:
 class TextStreamer:
     """Turns ids into text as they arrive, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: MuseTokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: MuseTokenizer, shown=frozenset()):
+        self.tokenizer, self.shown = tokenizer, shown
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
+        if token_id in self.shown:
+            return self._decoder.decode(self.tokenizer.vocab.tokens[token_id].encode("utf-8", "surrogatepass"))
         return self._decoder.decode(self.tokenizer.token_bytes(token_id))
 
     def flush(self) -> str:

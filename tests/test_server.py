@@ -415,7 +415,6 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"xtc_probability": 0.5}, "xtc_probability"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
     ({"dynatemp_range": 0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
     ({"continue_final_message": True}, "continue_final_message"),
-    ({"reasoning_format": "auto"}, "reasoning_format"),
 ])
 def test_llama_server_completion_bad_requests(server, body, param):
     h = {"Authorization": f"Bearer {KEY}"}
@@ -522,10 +521,13 @@ def test_unserved_fields_at_their_neutral_values_are_taken(client):
     c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        temperature=0, response_format={"type": "text"})
     assert c.usage.completion_tokens <= 2
-    with pytest.raises(openai.BadRequestError) as exc:
+    c = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       temperature=0, tools=[], tool_choice="auto", extra_body={"reasoning_format": "none"})
+    assert c.usage.completion_tokens <= 2
+    with pytest.raises(openai.BadRequestError) as exc:   # the fixture's template has no tool-call format
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert "'tools' is not served" in str(exc.value)
+    assert "'tools' need a chat template with a tool-call format" in str(exc.value)
 
 
 def test_chat_content_as_text_parts(client):
@@ -1640,3 +1642,141 @@ def test_messages_api_bad_requests(server, body, param):
     r = httpx.post(server + "/v1/messages", headers={"X-Api-Key": KEY}, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert httpx.post(server + "/v1/messages", headers={"X-Api-Key": "nope"}, json=body).status_code == 401
+
+
+# ---- muse-glimmer's chat format: tools, reasoning, the answer's grammar (docs/server.md) ----
+
+@pytest.fixture(scope="module")
+def muse_server(f32_fixture, tmp_path_factory):
+    """A server whose chat template is the pinned muse-glimmer.jinja (the fixture's own has no tool
+    calls or reasoning channel)."""
+    import chat_oracle
+
+    template = chat_oracle.template()
+    if template is None:
+        pytest.skip("needs the pinned sdist (.pinned/) for muse-glimmer.jinja")
+    path = tmp_path_factory.mktemp("template") / "muse-glimmer.jinja"
+    path.write_text(template)
+    proc, base = start_server(f32_fixture, "--chat-template-file", str(path), "--ctx-size", "2048", parallel=1)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+MUSE_TOOLS = [{"type": "function", "function": {"name": "noargs", "description": "Does nothing", "parameters": {}}},
+              {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city", "parameters": {
+                  "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                  "required": ["city"]}}}]
+
+
+def _message_bias(f32_fixture) -> dict:
+    """A bias that makes the random fixture model end a free run of text (a call's recipient) at once
+    with <|message|>: the grammar then leaves it only the markup of a call to a tool of no parameters."""
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    return {str(tok.vocab.tokens.index("<|message|>")): 100}
+
+
+def test_a_required_tool_call_is_held_to_its_grammar_and_read_as_a_call(muse_server, f32_fixture):
+    """tool_choice naming a tool: the answer is held to the call's grammar, read into tool_calls with
+    finish_reason tool_calls, the same streamed (deltas added up) and not."""
+    client = openai.OpenAI(base_url=muse_server + "/v1", api_key="x", max_retries=0, timeout=300)
+    kw = dict(model="m", messages=[{"role": "user", "content": "Do it."}], tools=MUSE_TOOLS, max_tokens=200,
+              temperature=0, tool_choice={"type": "function", "function": {"name": "noargs"}},
+              logit_bias=_message_bias(f32_fixture))
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, call.function.arguments) == ("function", "noargs", "{}")
+    assert call.id.startswith("call_") and choice.message.content == ""
+    name, arguments, ids, finish = "", "", set(), None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or ():
+                assert d.index == 0
+                ids.add(d.id) if d.id else None
+                name += d.function.name or ""
+                arguments += d.function.arguments or ""
+    assert (name, arguments, finish, len(ids)) == ("noargs", "{}", "tool_calls", 1)
+
+
+def test_a_response_format_holds_the_answer_s_message(muse_server, f32_fixture):
+    """With muse-glimmer's template a JSON schema holds the answer's message (after its
+    ` to=user<|message|>` header, as llama.cpp's response-format rule), and the content read from it is
+    the JSON alone."""
+    client = openai.OpenAI(base_url=muse_server + "/v1", api_key="x", max_retries=0, timeout=300)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Answer."}], max_tokens=60,
+                                       temperature=0, logit_bias=_message_bias(f32_fixture),
+                                       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) == {"ok"}
+    # the Responses API's answer is the content read the same way, streamed or not
+    body = {"model": "m", "input": "Answer.", "max_output_tokens": 60, "temperature": 0, "extra_body": {"logit_bias": _message_bias(f32_fixture)},
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}}
+    got = client.responses.create(**body)
+    assert got.output_text == r.choices[0].message.content
+    with client.responses.stream(**body) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.choices[0].message.content
+
+
+@pytest.mark.parity
+def test_the_prompt_with_tools_and_calls_is_llama_cpp_s(muse_server, f32_fixture):
+    """/apply-template (the chat route's prompt) for conversations with tools, an assistant's tool
+    calls (arguments as JSON text) and their results, against the pinned llama.cpp's chat layer
+    (common_chat_templates_apply through tests/chat_oracle.py)."""
+    import chat_oracle
+
+    oracle = chat_oracle.oracle()
+    if oracle is None:
+        pytest.skip("the chat oracle needs the pinned sdist, the parity extra and a C++ compiler")
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Zürich", "days": 2, "x": [1, {"a": null}], "t": true}'}}
+    conversations = [
+        [{"role": "user", "content": "Weather in Zürich?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+         {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 °C"}],
+        [{"role": "user", "content": "Two?"},
+         {"role": "assistant", "content": "", "reasoning_content": "Two calls.",
+          "tool_calls": [call, {**call, "id": "c2", "function": {"name": "noargs", "arguments": "{}"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "rain"}, {"role": "tool", "name": "noargs", "content": "ok"},
+         {"role": "assistant", "content": "Rain."}, {"role": "user", "content": "Thanks"}],
+    ]
+    kwargs = {"current_date": "2026-12-05"}
+    for tools in (MUSE_TOOLS, None):
+        for messages in conversations:
+            body = {"messages": messages, "chat_template_kwargs": kwargs}
+            if tools:
+                body["tools"] = tools
+            r = httpx.post(muse_server + "/apply-template", json=body)
+            assert r.status_code == 200, r.text
+            request = {"template": chat_oracle.template(), "bos": tok.vocab.tokens[tok.bos_id], "eos": "<|eot|>",
+                       "messages": messages, "chat_template_kwargs": kwargs}
+            if tools:
+                request["tools"] = tools
+            assert r.json()["prompt"] == oracle.apply(request)["prompt"], (tools is not None, messages)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": {"name": "f"}}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": MUSE_TOOLS, "tool_choice": "always"}, "tool_choice"),
+    ({"tools": MUSE_TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"tools": MUSE_TOOLS, "grammar": "root ::= \"x\""}, "tools"),
+    ({"tools": MUSE_TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+    ({"tools": MUSE_TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ({"reasoning_format": "hidden"}, "reasoning_format"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": {"function": {}}}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, "messages"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+])
+def test_bad_tools_and_chat_options_are_400_naming_the_field(muse_server, body, param):
+    r = httpx.post(muse_server + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
