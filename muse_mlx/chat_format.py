@@ -131,6 +131,22 @@ def _all_may_be_strings(children, root: dict, seen: frozenset) -> bool:
     return bool(shaping) and all(_may_be_string(c, root, seen) for c in shaping)
 
 
+MAX_SCHEMA_DEPTH = 64   # a tool's parameters nest at most this deep (llguidance's %json refuses far deeper)
+
+
+def nesting(node, limit: int) -> int:
+    """How deep a JSON value nests, counted up to limit + 1 (iteratively: a hostile value cannot
+    exhaust the stack here)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= limit:
+                stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
 def read_tools(value) -> tuple[Tool, ...]:
     """OpenAI's `tools`: a list of {"type": "function", "function": {"name", "description"?,
     "parameters"?}} (llama.cpp's common_chat_tools_parse_oaicompat)."""
@@ -152,6 +168,8 @@ def read_tools(value) -> tuple[Tool, ...]:
             raise FormatError(f"{what}: two tools are named {name!r}", "tools")
         if not isinstance(description, str):
             raise FormatError(f"{what}'s 'description' must be a string", "tools")
+        if nesting(parameters, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise FormatError(f"{what}'s 'parameters' nest more than {MAX_SCHEMA_DEPTH} levels deep", "tools")
         properties = parameters.get("properties", {}) if isinstance(parameters, dict) else None
         if not isinstance(properties, dict) or any(not isinstance(k, str) or not k or any(c in k for c in '"<>\n')
                                                    for k in properties):
@@ -327,8 +345,8 @@ def tools_grammar(fmt: ChatFormat, special) -> str:
             if name in tool.strings:
                 args.append(f"{head} {g.until(f'arg_{n}_{m}', ARG_CLOSE)}")
             else:
-                schema = schema if isinstance(schema, dict) else {}
-                args.append(f"{head} %json {json.dumps(_json_spaced(schema), ensure_ascii=False)} {g.lit(ARG_CLOSE)}")
+                doc = _json_spaced(_parameter_schema(tool.parameters, name))
+                args.append(f"{head} %json {json.dumps(doc, ensure_ascii=False)} {g.lit(ARG_CLOSE)}")
         g.rules.append(f"args_{n}: " + (" | ".join(f"({a}) {SPACE}" for a in args) if args else '""'))
         parts = [g.lit(" to="), g.until(f"to_{n}", MESSAGE), g.lit("<atem:function_calls>"), SPACE,
                  g.lit(f'<atem:invoke name="{tool.name}">'), SPACE, f"args_{n}*",
@@ -351,6 +369,25 @@ def answer_grammar(schema_text: str, special) -> str:
     schema = json.loads(schema_text)
     schema = _json_spaced(schema if isinstance(schema, dict) else {})
     return g.text(f"analysis* ({g.lit(' to=user')})? {g.lit(MESSAGE)} %json {json.dumps(schema, ensure_ascii=False)}")
+
+
+ROOT_KEY = "muse_tool_parameters"   # where a parameter's document keeps the tool's parameters, for its $refs
+
+
+def _parameter_schema(parameters: dict, name: str) -> dict:
+    """A parameter's schema as a document of its own whose `$ref`s still reach into the tool's
+    parameters (where the tool's `$defs` live): the parameters sit under $defs.ROOT_KEY, each
+    `#/...` pointer rewritten to `#/$defs/ROOT_KEY/...`."""
+    def moved(node):
+        if isinstance(node, dict):
+            return {k: (f"#/$defs/{ROOT_KEY}/" + v[2:] if k == "$ref" and isinstance(v, str) and v.startswith("#/")
+                        else moved(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        return node
+    schema = moved(parameters["properties"][name])
+    defs = schema.get("$defs") if isinstance(schema.get("$defs"), dict) else {}
+    return {**schema, "$defs": {**defs, ROOT_KEY: moved(parameters)}}
 
 
 def _json_spaced(schema: dict) -> dict:

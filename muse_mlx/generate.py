@@ -216,6 +216,8 @@ def _template_kwargs(text: str | None) -> dict:
         value = json.loads(text)
     except ValueError as exc:
         raise MuseError(f"--chat-template-kwargs is not JSON: {exc}") from None
+    except RecursionError:
+        raise MuseError("--chat-template-kwargs nests too deeply") from None
     if not isinstance(value, dict):
         raise MuseError("--chat-template-kwargs must be a JSON object of the template's variables")
     taken = sorted(set(value) & {"messages", "add_generation_prompt"})

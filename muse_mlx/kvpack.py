@@ -89,7 +89,7 @@ def fingerprint(path, cache_dir: Path | None = None) -> str:
         known = json.loads(index.read_text())
         if isinstance(known, dict) and isinstance(known.get(key), str):
             return known[key]
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         known = {}
     digest = f"{FINGERPRINT_SCHEME}:{file_digest(path)}"
     try:
@@ -277,7 +277,7 @@ def read_manifest(path) -> Pack:
     _need(size <= MANIFEST_MAX_BYTES, path, f"manifest.json is {size:,} bytes, more than {MANIFEST_MAX_BYTES:,}")
     try:
         m = json.loads(mf.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise PackError(f"{path}: manifest.json is not JSON ({type(exc).__name__})") from None
     _need(isinstance(m, dict), path, "manifest.json is not an object")
     _need(m.get("format") == FORMAT, path, f"format is {m.get('format')!r}, not {FORMAT!r}")
@@ -378,7 +378,7 @@ def _tensor_header(data: bytes, pack: Pack, name: str) -> dict:
           f"claims {n:,} bytes)")
     try:
         header = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise PackError(f"{pack.path}: {tag} is not a safetensors file (its header is not JSON)") from None
     _need(isinstance(header, dict), pack.path, f"{tag} is not a safetensors file (its header is not an object)")
     header.pop("__metadata__", None)

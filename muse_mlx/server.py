@@ -69,6 +69,9 @@ def _reject_constant(name):
     raise BadRequest(f"{name} is not a JSON number")
 
 
+MAX_BODY_NESTING = 128   # a request's JSON nests at most this deep (a schema of any real use nests far less)
+
+
 def parse_json(body: bytes) -> dict:
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
@@ -76,8 +79,12 @@ def parse_json(body: bytes) -> dict:
         raise BadRequest("the body is not UTF-8") from None
     except ValueError as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(f"the body nests more than {MAX_BODY_NESTING} levels deep") from None
     if not isinstance(data, dict):
         raise BadRequest("the body must be a JSON object")
+    if chat_format.nesting(data, MAX_BODY_NESTING) > MAX_BODY_NESTING:
+        raise BadRequest(f"the body nests more than {MAX_BODY_NESTING} levels deep")
     return data
 
 

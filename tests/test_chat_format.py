@@ -267,3 +267,21 @@ def test_which_parameters_are_raw_text_is_llama_cpp_s_choice(oracle):
         assert ("p" in tool.strings) == text, schema
         verdicts.append(text)
     assert 5 <= sum(verdicts) <= len(SCHEMAS) - 5
+
+
+def test_a_tool_s_refs_and_any_parameter_names_reach_its_grammar(tokenizer, grammars):
+    """A parameter whose schema points into the tool's $defs, and parameter names that are not ASCII
+    or hold spaces: the grammar compiles and takes a call of them, and refuses a value its schema
+    refuses."""
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": {
+        "type": "object", "$defs": {"day": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                            "required": ["n"], "additionalProperties": False}},
+        "properties": {"jour é": {"$ref": "#/$defs/day"}, "ville": {"type": "string"}}}}}]
+    fmt, _ = read_format({"tools": tools, "tool_choice": "required"})
+    text = tools_grammar(fmt, grammars.special_id)
+    call = (' to=plan<|message|><atem:function_calls>\n<atem:invoke name="plan">\n<atem:parameter name="jour é">'
+            '{"n": 3}</atem:parameter>\n<atem:parameter name="ville">Lyon</atem:parameter>\n</atem:invoke>\n'
+            '</atem:function_calls>')
+    assert _follows(grammars.compile("lark", text, "tools"), tokenizer, call)
+    assert fmt.parse(call).tool_calls == [["plan", '{"jour é":{"n": 3},"ville":"Lyon"}']]
+    assert not _follows(grammars.compile("lark", text, "tools"), tokenizer, call.replace('{"n": 3}', '{"m": 3}'))

@@ -102,7 +102,8 @@ def test_chat_template_kwargs(f32_fixture, tmp_path):
                                   Sampler(SamplerSettings()), 6, tok.stop_ids))
     assert r.stdout == tok.decode(tokens) + "\n"
     for bad, fragment in [("[1]", "must be a JSON object"), ("{", "is not JSON"),
-                          ('{"messages": []}', "may not set 'messages'")]:
+                          ('{"messages": []}', "may not set 'messages'"),
+                          ('{"a": ' + "[" * 20_000 + "]" * 20_000 + "}", "nests too deeply")]:
         r = run_cli(*base, "--chat-template-kwargs", bad)
         assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = run_cli("--model", str(f32_fixture), "-p", "x", "--chat-template-kwargs", '{"mood": "terse"}')

@@ -187,6 +187,11 @@ def test_a_huge_manifest_is_refused_unread(pack, model, model_id):
     refused(pack, model, model_id, "more than")
 
 
+def test_a_manifest_nested_past_the_parser_s_stack_is_refused(pack, model, model_id):
+    (pack / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    refused(pack, model, model_id, "not JSON")
+
+
 def _blob_bytes(header: dict, data: bytes, pad: int = 0) -> bytes:
     """A safetensors file written by hand (the library refuses to write most of these)."""
     text = json.dumps(header).encode() + b" " * pad

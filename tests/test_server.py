@@ -503,6 +503,8 @@ def test_context_policy(client):
     (b'\xff\xfe', "UTF-8"),
     (b'{"prompt": "a\\udc80b"}', "a lone surrogate (0xdc80) at character 1"),
     (b'{"prompt": "' + b"x" * 2**20 + b'"}', "the prompt is at least"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 200 + b"]" * 200 + b'}', "the body nests more than 128 levels"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b'}', "the body nests more than 128 levels"),
 ])
 def test_bad_requests_are_400_with_an_openai_error(server, body, fragment):
     r = httpx.post(server + "/v1/completions", content=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -1775,6 +1777,13 @@ def test_the_prompt_with_tools_and_calls_is_llama_cpp_s(muse_server, f32_fixture
     ({"messages": [{"role": "assistant", "tool_calls": {"function": {}}}]}, "messages"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, "messages"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": json.loads(
+        '{"type": "object", "properties": {"a": ' * 40 + "{}" + "}}" * 40)}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"p": {"$ref": "#/$defs/missing"}}}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"p": {"type": "string", "pattern": "(a"}, "q": {"type": "integer", "minimum": "x"}}}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_bad_tools_and_chat_options_are_400_naming_the_field(muse_server, body, param):
     r = httpx.post(muse_server + "/v1/chat/completions",
