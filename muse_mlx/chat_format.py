@@ -236,9 +236,9 @@ def read_format(body: dict, default_reasoning: str = "auto") -> tuple[ChatFormat
         tools = ()
     if choice == "required" and not tools:
         raise FormatError("'tool_choice' \"required\" needs 'tools'", "tool_choice")
-    parallel = body.get("parallel_tool_calls", False)
+    parallel = body.get("parallel_tool_calls", True)   # llama-server's default: the template renders several calls
     if parallel is None:
-        parallel = False
+        parallel = True
     if not isinstance(parallel, bool):
         raise FormatError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     reasoning = body.get("reasoning_format", default_reasoning)

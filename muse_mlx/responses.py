@@ -132,9 +132,14 @@ class Rendering:
             out["timings"] = last.get("timings")
         return out
 
-    def final(self, text: str, last: dict) -> dict:
-        """The answer: the response object, done."""
-        return self.response("completed", text, last)
+    def final(self, answer, last: dict) -> dict:
+        """The answer (chat_format.Message: its content is the output's text): the response object, done."""
+        return self.response("completed", answer.content, last)
+
+    def deltas(self, delta: dict) -> list[dict]:
+        """One of the chat stream's deltas as this API's events: its content (reasoning and tool
+        calls are not served here)."""
+        return [self.delta(delta["content"])] if delta.get("content") else []
 
     def message(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [self.part(text)]

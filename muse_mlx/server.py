@@ -858,15 +858,15 @@ class App:
         if not isinstance(got, list):
             return got
         (evs, last), = got
-        answer = chat_format.message_of(fmt, "".join(e.get("text", "") for e in evs))
-        return JSONResponse(rendering.final(answer.content, last))
+        return JSONResponse(rendering.final(chat_format.message_of(fmt, "".join(e.get("text", "") for e in evs)), last))
 
     async def _api_events(self, reqs: list[Request], events: asyncio.Queue, rendering, fmt):
-        """The stream of the Responses or Messages API (the rendering's): its opening events, a delta
-        a piece of the answer's content (chat_format.AnswerStream: reasoning is not shown by these
-        APIs here), then its closing events (or an error event)."""
+        """The stream of the Responses or Messages API (the rendering's): its opening events, the
+        events of each of the answer's deltas (chat_format.AnswerStream's: reasoning, content, tool
+        calls; the text as content where there is no format), then its closing events (or an error
+        event)."""
         finished, parts = False, []
-        answer = chat_format.AnswerStream(fmt, lambda: "") if fmt is not None else None
+        answer = chat_format.AnswerStream(fmt, _call_id) if fmt is not None else None
         try:
             for event in rendering.opening():
                 yield event
@@ -881,11 +881,10 @@ class App:
                     finished = True
                     break
                 if ev.get("text"):
-                    pieces = [ev["text"]] if answer is None else [d["content"] for d in answer.push(ev["text"])
-                                                                  if "content" in d]
-                    for piece in pieces:
-                        parts.append(piece)
-                        yield rendering.delta(piece)
+                    for delta in [{"content": ev["text"]}] if answer is None else answer.push(ev["text"]):
+                        parts.append(delta.get("content", ""))
+                        for event in rendering.deltas(delta):
+                            yield event
         finally:
             if not finished:   # an error, or the client went away: the slot is freed at the next step
                 for req in reqs:

@@ -199,6 +199,7 @@ def test_the_request_s_tools_and_options_are_read_or_refused_by_name():
     fmt, offered = read_format({"tools": TOOLS, "tool_choice": "none", "reasoning_format": "none"})
     assert fmt.tools == () and len(offered) == 3 and not fmt.structured
     assert read_format({}, "none")[0].reasoning is False and read_format({})[0].reasoning is True
+    assert read_format({"tools": TOOLS})[0].parallel and not read_format({"tools": TOOLS, "parallel_tool_calls": False})[0].parallel
     assert read_tools(TOOLS)[0].strings == {"city", "x"}
     bad = [({"tools": {}}, "tools"), ({"tools": [{"type": "code"}]}, "tools"),
            ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),

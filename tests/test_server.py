@@ -1624,7 +1624,7 @@ def test_messages_api_stream(server, claude):
     with httpx.stream("POST", server + "/v1/messages", headers={"X-Api-Key": KEY}, timeout=60,
                       json={**kw, "stream": True, "temperature": 0}) as r:
         kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
-    assert kinds[:3] == ["message_start", "content_block_start", "ping"]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[3:-3]) == {"content_block_delta"}
 
@@ -1632,7 +1632,11 @@ def test_messages_api_stream(server, claude):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"), ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": [{"type": "image"}]}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "some"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": {"name": "f"}}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "system": 5}, "system"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 1024}},
@@ -1789,3 +1793,36 @@ def test_bad_tools_and_chat_options_are_400_naming_the_field(muse_server, body, 
     r = httpx.post(muse_server + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_messages_api_tool_use(muse_server, f32_fixture):
+    """Anthropic's tools through its own client: tool_choice naming a tool gives a tool_use block and
+    stop_reason tool_use, streamed (the client's helper assembles the input from input_json_delta)
+    and not; an earlier tool_use and its tool_result become the chat's tool call and tool message
+    (count_tokens equals the chat route's prompt for the same conversation)."""
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=muse_server, api_key="x", max_retries=0, timeout=300)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in MUSE_TOOLS]
+    kw = dict(model="m", max_tokens=200, messages=[{"role": "user", "content": "Do it."}], tools=tools,
+              tool_choice={"type": "tool", "name": "noargs"},
+              extra_body={"temperature": 0, "logit_bias": _message_bias(f32_fixture)})
+    m = claude.messages.create(**kw)
+    assert m.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "noargs", {})]
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [(b.type, b.name, b.input) for b in final.content] == \
+        [("tool_use", "noargs", {})]
+    history = [{"role": "user", "content": "Weather in Rome?"},
+               {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                                 {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                  "input": {"city": "Rome", "days": 2}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                            {"type": "text", "text": "And tomorrow?"}]}]
+    counted = claude.messages.count_tokens(model="m", messages=history, tools=tools).input_tokens
+    chat = [history[0], {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}]},
+        {"role": "user", "content": "And tomorrow?"}, {"role": "tool", "tool_call_id": "t1", "content": "sunny"}]
+    prompt = httpx.post(muse_server + "/apply-template", json={"messages": chat, "tools": MUSE_TOOLS}).json()["prompt"]
+    assert "<atem:parameter name=\"city\">Rome</atem:parameter>" in prompt and "sunny" in prompt
+    assert counted == len(httpx.post(muse_server + "/tokenize", json={"content": prompt}).json()["tokens"])
