@@ -1563,7 +1563,11 @@ def test_responses_api_stream_and_text_format(client):
 @pytest.mark.parametrize("body, param", [
     ({}, "input"), ({"input": 5}, "input"), ({"input": []}, "input"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "web_search_call"}]}, "input"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
@@ -1826,3 +1830,38 @@ def test_messages_api_tool_use(muse_server, f32_fixture):
     prompt = httpx.post(muse_server + "/apply-template", json={"messages": chat, "tools": MUSE_TOOLS}).json()["prompt"]
     assert "<atem:parameter name=\"city\">Rome</atem:parameter>" in prompt and "sunny" in prompt
     assert counted == len(httpx.post(muse_server + "/tokenize", json={"content": prompt}).json()["tokens"])
+
+
+def test_responses_api_function_calls(muse_server, f32_fixture):
+    """OpenAI's Responses API with function tools through the official client: a named function's
+    call is a function_call output item, streamed (output_item.added, arguments deltas and done) and
+    not; earlier function_call and function_call_output items become the chat's tool call and tool
+    message (the same prompt tokens as the chat route's for the same conversation)."""
+    client = openai.OpenAI(base_url=muse_server + "/v1", api_key="x", max_retries=0, timeout=300)
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in MUSE_TOOLS]
+    kw = dict(model="m", input="Do it.", tools=tools, tool_choice={"type": "function", "name": "noargs"},
+              max_output_tokens=200, temperature=0, extra_body={"logit_bias": _message_bias(f32_fixture)})
+    r = client.responses.create(**kw)
+    assert [(o.type, o.name, o.arguments) for o in r.output] == [("function_call", "noargs", "{}")]
+    assert r.output[0].call_id and r.status == "completed"
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == "{}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with client.responses.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "noargs", "{}")]
+    history = [{"role": "user", "content": "Weather in Rome?"},
+               {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+               {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    got = client.responses.create(model="m", input=history, tools=tools, max_output_tokens=1, temperature=0)
+    chat = client.chat.completions.create(model="m", tools=MUSE_TOOLS, max_tokens=1, temperature=0, messages=[
+        history[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    assert got.usage.input_tokens == chat.usage.prompt_tokens
