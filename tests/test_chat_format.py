@@ -126,16 +126,20 @@ def grammars(tokenizer):
 
 
 def _follows(constraint, tokenizer, text) -> bool:
-    """Whether a constraint takes the text's tokens one by one and then ends."""
+    """Whether a constraint takes the text's tokens one by one and may then end: nothing can follow,
+    or an end-of-generation token may (with parallel calls an <|eom|> may also start another)."""
     try:
         for token in tokenizer.encode(text, add_bos=False):
             allowed = constraint.allowed(tokenizer.n_vocab)
             if allowed is not None and not bool(np.array(allowed)[token]):
                 return False
             constraint.read(token)
+        if constraint.done:
+            return True
+        allowed = constraint.allowed(tokenizer.n_vocab)
     except GrammarError:
         return False
-    return constraint.done
+    return allowed is not None and bool(np.array(allowed)[tokenizer.vocab.eot_id])
 
 
 @pytest.mark.parity
@@ -286,3 +290,12 @@ def test_a_tool_s_refs_and_any_parameter_names_reach_its_grammar(tokenizer, gram
     assert _follows(grammars.compile("lark", text, "tools"), tokenizer, call)
     assert fmt.parse(call).tool_calls == [["plan", '{"jour é":{"n": 3},"ville":"Lyon"}']]
     assert not _follows(grammars.compile("lark", text, "tools"), tokenizer, call.replace('{"n": 3}', '{"m": 3}'))
+    # one call ends the answer without parallel calls; with them (the default) <|eom|> may start another
+    for parallel in (False, True):
+        fmt, _ = read_format({"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel})
+        constraint = grammars.compile("lark", tools_grammar(fmt, grammars.special_id), "tools")
+        for token in tokenizer.encode(call, add_bos=False):
+            constraint.read(token)
+        assert constraint.done is not parallel
+        if parallel:
+            assert bool(np.array(constraint.allowed(tokenizer.n_vocab))[tokenizer.vocab.eom_id])
