@@ -573,6 +573,7 @@ def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, capsys
     (["--kv-incoming-ttl", "inf"], "--kv-incoming-ttl must be a finite number of seconds >= 0"),
     (["--kv-incoming-ttl", "soon"], "--kv-incoming-ttl"),
     (["--parallel", "two"], "--parallel"),
+    (["--reasoning-format", "hidden"], "--reasoning-format"),
     (["--slot-save-path", "/nonexistent/saves", "--reference"], "--slot-save-path /nonexistent/saves: not a folder"),
     (["--kernel-config", "batch_invariant=2"], "kernel config batch_invariant must be an integer 0..1, got 2"),
     (["--kernel-config", "nonsense"], "--kernel-config: expected name=value"),
