@@ -450,6 +450,46 @@ class AnswerStream:
         return self.fmt.parse(self.text) or Message(content=self.text)
 
 
+class AnswerDisplay:
+    """A chat answer as the pinned llama-cli shows it on a terminal (tools/cli/cli-ui.h's
+    assistant_turn): the reasoning between "[Start thinking]" and "[End thinking]" lines, then the
+    content. Text in, display text out; `close` ends it with a newline (and "[End thinking]" where
+    the answer ended in its reasoning, as it does at <|eom|>: llama-cli leaves that open)."""
+
+    def __init__(self, fmt: ChatFormat):
+        self.stream = AnswerStream(fmt, lambda: "")
+        self.mode = "content"
+        self.thinking = False
+        self.trailing_newline = True
+
+    def push(self, piece: str) -> str:
+        out = []
+        for delta in self.stream.push(piece):
+            for key, mode in (("reasoning_content", "reasoning"), ("content", "content")):
+                if key in delta:
+                    out.append(self._show(mode, delta[key]))
+        return "".join(out)
+
+    def _show(self, mode: str, text: str) -> str:
+        out = ""
+        if mode != self.mode:
+            out += "" if self.trailing_newline else "\n"
+            if mode == "reasoning":
+                out += "\n[Start thinking]\n\n"
+                self.thinking = True
+            elif self.thinking:
+                out += "[End thinking]\n\n"
+                self.thinking = False
+            self.mode = mode
+        if text:
+            self.trailing_newline = text.endswith("\n")
+        return out + text
+
+    def close(self) -> str:
+        out = "" if self.trailing_newline else "\n"
+        return out + ("[End thinking]\n" if self.thinking else "")
+
+
 def message_of(fmt: ChatFormat | None, text: str) -> Message:
     """A whole answer read; the text as the content where there is no format or it is not followed."""
     if fmt is None:

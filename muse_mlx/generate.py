@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(llama.cpp's flag)")
     p.add_argument("--chat-template-file", metavar="FILE",
                    help="a Jinja chat template for --chat in place of the GGUF's (llama.cpp's flag)")
+    p.add_argument("--reasoning-format", choices=("none", "auto", "deepseek", "deepseek-legacy"),
+                   help="with --chat and muse-glimmer's template, the answer is read as llama-cli reads it: its "
+                        "reasoning shown between [Start thinking] and [End thinking], then its content (auto, the "
+                        "default, deepseek, deepseek-legacy), or the raw text with the format's markup (none)")
     p.add_argument("--max-context", type=int, help="slot context in positions (default: the model's limit)")
     p.add_argument("--reference", action="store_true",
                    help="use the MLX-ops reference path even on a GPU (the exactness path)")
@@ -265,6 +269,8 @@ def run(argv: list[str] | None = None) -> int:
         problems.append("--system-prompt needs --chat")
     if args.chat_template_file is not None and not args.chat:
         problems.append("--chat-template-file needs --chat")
+    if args.reasoning_format is not None and not args.chat:
+        problems.append("--reasoning-format needs --chat")
     template_kwargs = _template_kwargs(args.chat_template_kwargs)
     if template_kwargs and not args.chat:
         problems.append("--chat-template-kwargs needs --chat")
@@ -324,7 +330,7 @@ def run(argv: list[str] | None = None) -> int:
         from .grammar import Grammars
         constraint = Grammars(tokenizer).compile(*grammar)
     sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids, constraint)
-    streamer = tokenizer.streamer()
+    streamer, display = _answer_reading(tokenizer, args)
     stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout
     start = time.perf_counter()
@@ -336,10 +342,10 @@ def run(argv: list[str] | None = None) -> int:
         if first is None:
             first = time.perf_counter()
         stats.generated_tokens += 1
-        out.write(streamer.push(token))
+        out.write(display.push(streamer.push(token)) if display else streamer.push(token))
         out.flush()
     end = time.perf_counter()
-    out.write(streamer.flush() + "\n")
+    out.write(display.push(streamer.flush()) + display.close() if display else streamer.flush() + "\n")
     out.flush()
     stats.first_token_seconds = (first or end) - start
     stats.generation_seconds = end - first if first else 0.0
@@ -349,6 +355,19 @@ def run(argv: list[str] | None = None) -> int:
     for line in stats.lines(cache, model):
         print(line, file=sys.stderr)
     return 0
+
+
+def _answer_reading(tokenizer, args):
+    """(the text streamer, the answer's display or None): with --chat and muse-glimmer's template the
+    answer's markup is rendered (as llama-server's preserved tokens) and read as llama-cli shows it
+    (chat_format.AnswerDisplay); else the text as it comes."""
+    from . import chat_format
+
+    if not args.chat or not chat_format.is_muse_glimmer(tokenizer.chat_template):
+        return tokenizer.streamer(), None
+    shown = tokenizer.token_ids(chat_format.PRESERVED) & tokenizer.control_ids   # a stop token's too (--ignore-eos)
+    fmt = chat_format.ChatFormat(reasoning=(args.reasoning_format or "auto") != "none")
+    return tokenizer.streamer(shown), chat_format.AnswerDisplay(fmt)
 
 
 def progress_bar(desc: str, unit: str):

@@ -67,6 +67,30 @@ class Grammars:
         self._llg = llg
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Wrapper()), eos_token=stops or None)
         self._texts = [t[1:] if t.startswith(b"\xff") else t for t in tokens]
+        self._encode = lambda text: tokenizer.encode(text, add_bos=False)
+        self._stops = frozenset(stops)
+        self._unfit: list[int] | None = None   # tokens a negated reference never matches (negated)
+
+    def token_of(self, text: str) -> int | None:
+        """A GBNF token reference's id: its text as one token, special tokens parsed (llama.cpp's parse_token)."""
+        ids = self._encode(text)
+        return ids[0] if len(ids) == 1 else None
+
+    def negated(self, token: int) -> str:
+        """llama.cpp's !<[id]> in llguidance's Lark: any one token but `token`, save those llama.cpp's
+        grammar never takes where it names a token (llama_grammar_apply_impl): the end-of-generation
+        tokens (the grammar's own end lets them), and tokens of no text, or whose text llama-grammar.cpp's
+        decode_utf8 finds invalid or without a whole character (`_takes_at_token`)."""
+        if self._unfit is None:
+            self._unfit = [i for i, text in enumerate(self._texts) if i in self._stops or not _takes_at_token(text)]
+        ids = sorted({token, *self._unfit})
+        runs = []   # [first, last] of each run of consecutive ids
+        for i in ids:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        return "<[^" + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) + "]>"
 
     def special_id(self, text: str) -> int | None:
         """The id of a token with this text that the table marks special (a grammar names it
@@ -84,7 +108,8 @@ class Grammars:
     def compile(self, kind: str, text: str, what: str) -> "Constraint":
         """A new constraint from a grammar (`grammar_of`'s arguments). GrammarError when it does not compile."""
         llg = self._llg
-        matcher = llg.LLMatcher(self.tokenizer, grammar_of(kind, text, what), log_level=0, limits=_limits(llg))
+        matcher = llg.LLMatcher(self.tokenizer, grammar_of(kind, text, what, self), log_level=0,
+                                limits=_limits(llg))
         if matcher.is_error():
             raise GrammarError(f"{what} does not compile: {_one_line(matcher.get_error())}")
         first = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)   # a grammar no text can start fails here
@@ -93,15 +118,19 @@ class Grammars:
         return Constraint(matcher, self.n_vocab, what)
 
 
-def grammar_of(kind: str, text: str, what: str) -> str:
+def grammar_of(kind: str, text: str, what: str, vocab: "Grammars | None" = None) -> str:
     """llguidance's grammar from `kind` "gbnf" (the grammar's text) or "json_schema" (the schema's JSON
-    text), checked without a vocabulary (so a CLI can refuse it before the weights load); `what`
-    names it in an error. GrammarError when it does not compile."""
+    text); `what` names it in an error. vocab: where a GBNF's token references are looked up
+    (Grammars.token_of, n_vocab); without it (a CLI refusing a grammar before the weights load) a
+    reference is only checked for its form. GrammarError when it does not compile."""
     llg = _llguidance()
     if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"{what} is more than {MAX_GRAMMAR_BYTES // 1024} KiB")
     try:
-        if kind in ("gbnf", "lark"):
+        if kind == "gbnf":
+            gbnf, refs = _token_refs(text, what)
+            grammar = _with_tokens(llg.grammar_from("gbnf", gbnf), refs, what, vocab)
+        elif kind == "lark":
             grammar = llg.grammar_from(kind, text)
         elif kind == "json_schema":
             grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WHITESPACE})
@@ -113,6 +142,90 @@ def grammar_of(kind: str, text: str, what: str) -> str:
     if problem:
         raise GrammarError(f"{what} does not compile: {_one_line(problem)}")
     return grammar
+
+
+# llama.cpp's GBNF names tokens, which llguidance's GBNF converter does not read: <[id]>, or <text> (a
+# text that tokenizes, special tokens parsed, to exactly one token), either negated by a leading "!"
+# (any one token but that one). Each is given to the converter as a rule of its own that refers to
+# itself (so the converter never makes it, or a rule that uses it, a lexer terminal), whose line in
+# the Lark text is then made the token: llguidance's <[id]>, or <[^id]> negated.
+TOKEN_RULE = "muse-token-ref-{}"
+_TOKEN_LINE = re.compile(r"(?m)^muse_token_ref_(\d+):.*$")
+
+
+def _token_refs(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
+    """(the GBNF with each token reference a rule's name, the references: negated?, the text between < >)."""
+    out, refs, i, n = [], [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "#":   # a comment, to the end of its line
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+        elif c in "\"[":   # a string or a character class: as written
+            close, j = ('"' if c == '"' else "]"), i + 1
+            while j < n and text[j] != close:
+                j += 2 if text[j] == "\\" else 1
+            j += 1
+        elif c == "<" or (c == "!" and text.startswith("<", i + 1)):
+            start = i + (c == "!")
+            j = text.find(">", start)
+            if j < 0:
+                raise GrammarError(f"{what} does not compile: a token reference at byte {start} has no closing '>'")
+            refs.append((c == "!", text[start + 1:j]))
+            out.append(f" {TOKEN_RULE.format(len(refs) - 1)} ")
+            i = j + 1
+            continue
+        else:
+            j = i + 1
+        out.append(text[i:j])
+        i = j
+    if refs:
+        out += [f"\n{TOKEN_RULE.format(k)} ::= \"\\x01\" {TOKEN_RULE.format(k)}" for k in range(len(refs))]
+    return "".join(out), refs
+
+
+def _with_tokens(lark: str, refs: list[tuple[bool, str]], what: str, vocab) -> str:
+    """The converter's Lark text with each reference's rule made its token."""
+    ids = []
+    for negated, body in refs:
+        shown = f"{'!' if negated else ''}<{body}>"
+        if body.startswith("["):
+            if not re.fullmatch(r"\[[0-9]+\]", body):
+                raise GrammarError(f"{what} does not compile: token reference {shown} is not <[id]>")
+            token = int(body[1:-1])
+        elif not body:
+            raise GrammarError(f"{what} does not compile: an empty token reference <>")
+        else:
+            token = vocab.token_of(f"<{body}>") if vocab is not None else 0
+            if token is None:
+                raise GrammarError(f"{what} does not compile: {shown} is not one token of the vocabulary")
+        if vocab is not None and token >= vocab.n_vocab:
+            raise GrammarError(f"{what} does not compile: token {token} ({shown}) is past the vocabulary's "
+                               f"{vocab.n_vocab:,} tokens")
+        ids.append((vocab.negated(token) if vocab is not None else f"<[^{token}]>") if negated else f"<[{token}]>")
+    return _TOKEN_LINE.sub(lambda m: f"muse_token_ref_{m.group(1)}: {ids[int(m.group(1))]}", lark) if refs else lark
+
+
+# llama-grammar.cpp's decode_utf8: a byte's top four bits -> the length of the sequence it starts (0: it
+# cannot start one)
+_UTF8_LENGTH = (1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 4)
+
+
+def _takes_at_token(piece: bytes) -> bool:
+    """Whether llama.cpp's grammar lets a token of this text (its piece, special tokens rendered) stand
+    where the grammar names a token: llama-grammar.cpp's decode_utf8, from a whole character on, reads
+    the text as C does (to its first NUL byte), the bytes after a sequence's first taken as they come;
+    the token is refused where the text is empty, a first byte cannot start a sequence, or no
+    character ends in it."""
+    piece = piece.split(b"\0", 1)[0]
+    pos = whole = 0
+    while pos < len(piece):
+        n = _UTF8_LENGTH[piece[pos] >> 4]
+        if n == 0:
+            return False
+        pos += n
+        whole += pos <= len(piece)
+    return whole > 0
 
 
 class Constraint:

@@ -316,7 +316,7 @@ class App:
         self.reasoning_format = reasoning_format   # llama-server's --reasoning-format: a request's default
         # the chat template's answers are read (reasoning, content, tool calls) where it is muse-glimmer's
         self.reads_answers = chat_format.is_muse_glimmer(tokenizer.chat_template)
-        self._shown = tokenizer.token_ids(chat_format.PRESERVED) & tokenizer.control_ids - tokenizer.stop_ids
+        self._shown = tokenizer.token_ids(chat_format.PRESERVED) & tokenizer.control_ids   # a stop token's too (ignore_eos)
 
     @property
     def blob_max_bytes(self) -> int:

@@ -56,6 +56,36 @@ def test_chat_and_stdin(f32_fixture):
     assert "prompt:" in r.stderr
 
 
+def test_chat_answer_is_read_as_llama_cli_shows_it(f32_fixture, tmp_path):
+    """With muse-glimmer's template (the pinned muse-glimmer.jinja) --chat reads the answer as llama-cli
+    shows it (tools/cli/cli-ui.h): reasoning between [Start thinking] and [End thinking], then the
+    content; --reasoning-format none gives the raw text with the format's markup. The random fixture
+    model is held to a format-following answer by a grammar naming the format's tokens."""
+    import chat_oracle
+
+    template = chat_oracle.template()
+    if template is None:
+        pytest.skip("needs the pinned sdist (.pinned/) for muse-glimmer.jinja")
+    path = tmp_path / "muse-glimmer.jinja"
+    path.write_text(template)
+    base = ["--model", str(f32_fixture), "--chat", "--chat-template-file", str(path), "-p", "Hi", "--temp", "0",
+            "-m", "40", "--ignore-eos"]
+    both = ('root ::= " to=self" <|message|> "Hmm, rings." <|eom|> <|start|> "assistant to=user" <|message|> "Yes." '
+            '<|eot|>')
+    r = run_cli(*base, "--grammar", both)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "\n[Start thinking]\n\nHmm, rings.\n[End thinking]\n\nYes.\n"
+    r = run_cli(*base, "--grammar", both, "--reasoning-format", "none")
+    assert r.stdout == " to=self<|message|>Hmm, rings.<|eom|><|start|>assistant to=user<|message|>Yes.<|eot|>\n", r.stderr
+    # the answer cut at <|eom|> (an end-of-generation token) ends in its reasoning, which is closed
+    r = run_cli(*base[:-1], "--grammar", 'root ::= " to=self" <|message|> "Hmm." <|eom|>')
+    assert r.stdout == "\n[Start thinking]\n\nHmm.\n[End thinking]\n", r.stderr
+    r = run_cli(*base[:-1], "--grammar", 'root ::= " to=user" <|message|> "Yes.\\n"')
+    assert r.stdout == "Yes.\n", r.stderr
+    r = run_cli("--model", str(f32_fixture), "-p", "x", "--reasoning-format", "none")
+    assert r.returncode == 2 and "--reasoning-format needs --chat" in r.stderr
+
+
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

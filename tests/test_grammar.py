@@ -26,6 +26,10 @@ GRAMMARS = [
     'root ::= ("the" | "a") " " [a-z]+ (" " [a-z]+)* "."',
     'root ::= [0-9]{2,4} "-" [A-Z]+ ws "end"\nws ::= [ \\t\\n]*',
     'root ::= "{" pair ("," pair)* "}"\npair ::= "\\"" [a-z]+ "\\":" [0-9]+',
+    # llama.cpp's token references: by id, by text (special tokens parsed), and negated (any token but it)
+    'root ::= [a-z]+ " " <[4]> word <|start|> word " " <|eot|>\nword ::= [a-z]+ ("-" [a-z]+)?',
+    'root ::= <[510]> !<[4]>{3,5} <[511]> [a-z ]+ "."',
+    'root ::= <|start|> !<[508]>{2,6} <|message|> [a-z ]+ "."',
 ]
 
 
