@@ -154,8 +154,9 @@ _TOKEN_LINE = re.compile(r"(?m)^muse_token_ref_(\d+):.*$")
 
 
 def _token_refs(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
-    """(the GBNF with each token reference a rule's name, the references: negated?, the text between < >)."""
-    out, refs, i, n = [], [], 0, len(text)
+    """(the GBNF with each token reference a rule's name, the references: negated?, the text between < >;
+    one rule for each reference written alike)."""
+    out, refs, i, n = [], {}, 0, len(text)
     while i < n:
         c = text[i]
         if c == "#":   # a comment, to the end of its line
@@ -171,8 +172,8 @@ def _token_refs(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
             j = text.find(">", start)
             if j < 0:
                 raise GrammarError(f"{what} does not compile: a token reference at byte {start} has no closing '>'")
-            refs.append((c == "!", text[start + 1:j]))
-            out.append(f" {TOKEN_RULE.format(len(refs) - 1)} ")
+            k = refs.setdefault((c == "!", text[start + 1:j]), len(refs))
+            out.append(f" {TOKEN_RULE.format(k)} ")
             i = j + 1
             continue
         else:
@@ -181,7 +182,7 @@ def _token_refs(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
         i = j
     if refs:
         out += [f"\n{TOKEN_RULE.format(k)} ::= \"\\x01\" {TOKEN_RULE.format(k)}" for k in range(len(refs))]
-    return "".join(out), refs
+    return "".join(out), list(refs)
 
 
 def _with_tokens(lark: str, refs: list[tuple[bool, str]], what: str, vocab) -> str:
@@ -193,6 +194,8 @@ def _with_tokens(lark: str, refs: list[tuple[bool, str]], what: str, vocab) -> s
             if not re.fullmatch(r"\[[0-9]+\]", body):
                 raise GrammarError(f"{what} does not compile: token reference {shown} is not <[id]>")
             token = int(body[1:-1])
+            if token > 0xFFFFFFFF:   # llama.cpp's ids are 32-bit
+                raise GrammarError(f"{what} does not compile: token id {token} in {shown} is too big")
         elif not body:
             raise GrammarError(f"{what} does not compile: an empty token reference <>")
         else:

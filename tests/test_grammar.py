@@ -109,10 +109,25 @@ def test_grammar_files_and_refusals(f32_fixture, tmp_path):
                            (["--grammar-file", str(tmp_path / "none")], "--grammar-file"),
                            (["--grammar-file", str(bad)], "not UTF-8"),
                            (["--json-schema-file", str(fifo)], "not a regular file"),
-                           (["--grammar", 'root ::= "a"', "-j", "{}"], "not allowed with")]:
+                           (["--grammar", 'root ::= "a"', "-j", "{}"], "not allowed with"),
+                           (["--grammar", "root ::= <[12"], "has no closing '>'"),
+                           (["--grammar", "root ::= <[1x]>"], "is not <[id]>"),
+                           (["--grammar", "root ::= <>"], "an empty token reference"),
+                           (["--grammar", "root ::= <[99999999999]>"], "is too big")]:
         r = generate(f32_fixture, *args)
         assert r.returncode == 2, (args, r.stderr)
         assert fragment in r.stderr and "Traceback" not in r.stderr and "load" not in r.stderr, (args, r.stderr)
+
+
+def test_token_references_are_looked_up_in_the_vocabulary(f32_fixture, tokenizer):
+    """A token named by text must be one token of the vocabulary and an id must be in it: one line,
+    exit 2 (after the weights load: the vocabulary decides); references written alike share a rule."""
+    for gbnf, fragment in [("root ::= <hello>", "<hello> is not one token of the vocabulary"),
+                           ("root ::= !<[600]>", "token 600 (!<[600]>) is past the vocabulary's 512 tokens")]:
+        r = generate(f32_fixture, "--grammar", gbnf)
+        assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+    text = grammar_of("gbnf", "root ::= " + " ".join(["<[5]>"] * 1000) + " !<[5]> <|message|>", "g", Grammars(tokenizer))
+    assert text.count("muse_token_ref_0:") == 1 and "muse_token_ref_2: <[511]>" in text
 
 
 def test_the_grammar_masks_before_the_filters(tokenizer):
