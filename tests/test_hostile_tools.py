@@ -8,6 +8,7 @@ on the CPU: the bench's flags are checked before any model is loaded.
 
 import errno
 import json
+import re
 import os
 import subprocess
 import sys
@@ -549,17 +550,44 @@ def test_bench_serving_warm_cell_on_the_cpu(f32_fixture, tmp_path):
     assert len(cell["cold_ttft_s"]["samples"]) == 1 and cell["repeat_ttft_s"]["mean"] > 0
 
 
-def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, capsys):
+@pytest.mark.parametrize("constraint", ["none", "text", "lazy"])
+def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, constraint, monkeypatch):
     """The engine-loop cell end to end on the reference backend (a smoke run: the numbers mean
-    nothing on the CPU): every request gets its first token and its tokens, the receipt holds them."""
+    nothing on the CPU): every request gets its first token and its tokens, the receipt holds them;
+    with --sched-constraint each request holds its own grammar (the text one's tokens are its words)."""
+    made, texts = [], []   # each request's constraint, and the text of the tokens it read
+    maker = bench_serving.constraint_maker
+
+    def spy(kind, tokenizer):
+        make = maker(kind, tokenizer)
+        if make is None:
+            return None
+
+        def one():
+            c, read, i = make(), [], len(texts)
+            texts.append("")
+            inner = c.read
+
+            def reading(token):
+                inner(token)
+                read.append(token)
+                texts[i] = tokenizer.decode(read)
+            c.read = reading
+            made.append(c)
+            return c
+        return one
+    monkeypatch.setattr(bench_serving, "constraint_maker", spy)
     out = tmp_path / "sched.json"
     assert bench_serving.main(["--model", str(f32_fixture), "--reference", "--warm", "", "--batch", "",
                                "--scheduler", "2", "--sched-prompt", "9", "--sched-tokens", "5",
-                               "--receipt", str(out)]) == 0
+                               "--sched-constraint", constraint, "--receipt", str(out)]) == 0
     cell = json.loads(out.read_text())["metrics"]["scheduler"][0]
-    assert cell["slots"] == 2 and len(cell["runs"]) == 2
+    assert cell["slots"] == 2 and len(cell["runs"]) == 2 and cell["constraint"] == constraint
     for run in cell["runs"]:
         assert all(t is not None and t > 0 for t in run["ttft_s"]) and all(1 <= g <= 5 for g in run["generated"])
+    assert len(made) == (0 if constraint == "none" else 6) and len({id(c) for c in made}) == len(made)
+    if constraint == "text":   # each read the tokens it allowed: lowercase words
+        assert all(re.fullmatch(r"[a-z]+( [a-z]+)* ?", t) for t in texts), texts
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -18,7 +18,10 @@ step over 1..4 slots (issue 16), with a receipt.
   N requests of --sched-prompt random ids and --sched-tokens greedy tokens submitted at once, as
   llama-batched-bench -npp 512 -ntg 128 -npl N: each request's time to its first token, and the
   aggregate decode rate once all have one. A request that samples a stop id ends early (its
-  tokens counted as they came).
+  tokens counted as they came). --sched-constraint gives every request a grammar: `lazy`, the
+  muse-glimmer tool-call grammar a request with tools gets (held from llama.cpp's trigger on; the
+  random weights never write it, so this is the cost of a grammar waiting), or `text`, a GBNF of
+  lowercase words held from the first token (each pick masked on the host).
 
 The K/V rows are random f16 (SlotCache.fill_random): timing depends on sizes, not values; the
 numbers are as synthetic as the GGUF they run on.
@@ -220,7 +223,29 @@ def _mlx_memory() -> dict:
             "peak": round(mx.get_peak_memory() / 2**20, 1)}
 
 
-def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps: int = 2) -> dict:
+# --sched-constraint: a never-ending text grammar (every pick masked), and the tools a lazy one holds
+CONSTRAINT_TEXT = 'root ::= [a-z]+ (" " [a-z]+)*'
+CONSTRAINT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def constraint_maker(kind: str, tokenizer):
+    """A callable giving each request its own constraint of this --sched-constraint kind, or None."""
+    if kind == "none":
+        return None
+    from .. import chat_format
+    from ..grammar import Grammars
+
+    grammars = Grammars(tokenizer)
+    if kind == "text":
+        return lambda: grammars.compile("gbnf", CONSTRAINT_TEXT, "the text grammar")
+    fmt, _ = chat_format.read_format({"tools": CONSTRAINT_TOOLS})
+    text = chat_format.tools_grammar(fmt, grammars.special_id)
+    return lambda: grammars.lazy("lark", text, "the tools' grammar", chat_format.TRIGGER, ">")
+
+
+def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps: int = 2,
+                   constraint=None) -> dict:
     """The server's engine loop (slots.Scheduler, no HTTP) with `slots` slots: as many requests of
     `prompt` random token ids and `tokens` greedy tokens, submitted at once (llama-batched-bench's
     -npp prompt -ntg tokens -npl slots). Per repetition: each request's time to its first token
@@ -228,7 +253,8 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
     (tokens after that moment over the time to the last one), the gaps between the first
     request's tokens (median, the largest and at which tokens, how many over twice the median),
     Python's garbage collections meanwhile (count and pause by generation) and MLX's memory
-    (active, cached, peak) at its start and end: what a slow repetition was made of."""
+    (active, cached, peak) at its start and end: what a slow repetition was made of. constraint: a
+    callable giving each request its grammar (constraint_maker), or None."""
     import gc
     import threading
 
@@ -261,7 +287,8 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
                     times[i].append(time.perf_counter())
                 if "finish_reason" in e or "error" in e:
                     done[i].set()
-            sched.submit(Request(ids, tokens, SamplerSettings(), emit))
+            sched.submit(Request(ids, tokens, SamplerSettings(), emit,
+                                 constraint=constraint() if constraint is not None else None))
         for d in done:
             d.wait()
         gc.callbacks.remove(on_gc)
@@ -364,6 +391,9 @@ def _command(argv=None) -> int:
     p.add_argument("--sched-tokens", type=int, default=128, help="greedy tokens of each engine-loop request")
     p.add_argument("--sched-reps", type=int, default=2, help="timed repetitions of each engine-loop cell (>= 1), "
                    "after one untimed")
+    p.add_argument("--sched-constraint", choices=("none", "lazy", "text"), default="none",
+                   help="a grammar on every engine-loop request: lazy (the tool-call grammar, from its trigger on) "
+                        "or text (from the first token)")
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--workdir", help="where packs are written (default: a temporary folder)")
     p.add_argument("--receipt")
@@ -432,8 +462,11 @@ def _command(argv=None) -> int:
             from ..tokenizer import MuseTokenizer
 
             tokenizer = MuseTokenizer(model.artifact.vocabulary)
+            constraint = constraint_maker(args.sched_constraint, tokenizer)
         for n in sched_slots:
-            cell = scheduler_cell(model, tokenizer, n, args.sched_prompt, args.sched_tokens, args.sched_reps)
+            cell = scheduler_cell(model, tokenizer, n, args.sched_prompt, args.sched_tokens, args.sched_reps,
+                                  constraint)
+            cell["constraint"] = args.sched_constraint
             metrics["scheduler"].append(cell)
             agg, ttft = cell["aggregate_tok_s"], cell["ttft_s"]
             print(f"engine loop, {n} slot(s): {agg['mean'] if agg else float('nan'):.1f} tok/s aggregate, first token "
