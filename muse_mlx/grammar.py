@@ -189,7 +189,7 @@ def _with_tokens(lark: str, refs: list[tuple[bool, str]], what: str, vocab) -> s
     """The converter's Lark text with each reference's rule made its token."""
     ids = []
     for negated, body in refs:
-        shown = f"{'!' if negated else ''}<{body}>"
+        shown = f"{'!' if negated else ''}<{_one_line(body.encode('unicode_escape').decode('ascii'), 60)}>"
         if body.startswith("["):
             if not re.fullmatch(r"\[[0-9]+\]", body):
                 raise GrammarError(f"{what} does not compile: token reference {shown} is not <[id]>")

@@ -130,6 +130,27 @@ def test_token_references_are_looked_up_in_the_vocabulary(f32_fixture, tokenizer
     assert text.count("muse_token_ref_0:") == 1 and "muse_token_ref_2: <[511]>" in text
 
 
+def test_fuzzed_token_references_are_refused_in_one_line(tokenizer):
+    """3,000 random GBNF texts built of token references and their look-alikes: each compiles or is a
+    one-line GrammarError (was: a reference's text with a newline in it made a two-line message)."""
+    import random
+
+    grammars = Grammars(tokenizer)
+    rng = random.Random(7)
+    pieces = ['<', '>', '!', '[', ']', '<[', ']>', '<|message|>', '<|eot|>', '<[4]>', '!<[4]>', '<[511]>', '<[9999]>',
+              '"a"', '"<x>"', '[a-z]', ' ', '\n', '#c\n', '(', ')', '*', '+', '?', '{2}', '|', 'x', 'x ::= ', '\\', '"',
+              '0', '<hello>', '<>', '!<']
+    compiled = 0
+    for _ in range(3000):
+        text = "root ::= " + "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        try:
+            grammars.compile("gbnf", text, "g")
+            compiled += 1
+        except GrammarError as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 500, (text, str(exc))
+    assert compiled > 100   # the texts reach the matcher, not only the scan
+
+
 def test_the_grammar_masks_before_the_filters(tokenizer):
     """llama.cpp resamples a rejected token with the grammar applied first, so top-k sees only the
     allowed tokens: with top_k = 1 the pick is the best allowed token, never a disallowed argmax."""
