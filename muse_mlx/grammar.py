@@ -128,7 +128,7 @@ def grammar_of(kind: str, text: str, what: str, vocab: "Grammars | None" = None)
         raise GrammarError(f"{what} is more than {MAX_GRAMMAR_BYTES // 1024} KiB")
     try:
         if kind == "gbnf":
-            gbnf, refs = _token_refs(text, what)
+            gbnf, refs = _prepare_gbnf(text, what)
             grammar = _with_tokens(llg.grammar_from("gbnf", gbnf), refs, what, vocab)
         elif kind == "lark":
             grammar = llg.grammar_from(kind, text)
@@ -144,19 +144,26 @@ def grammar_of(kind: str, text: str, what: str, vocab: "Grammars | None" = None)
     return grammar
 
 
-# llama.cpp's GBNF names tokens, which llguidance's GBNF converter does not read: <[id]>, or <text> (a
-# text that tokenizes, special tokens parsed, to exactly one token), either negated by a leading "!"
-# (any one token but that one). Each is given to the converter as a rule of its own that refers to
-# itself (so the converter never makes it, or a rule that uses it, a lexer terminal), whose line in
-# the Lark text is then made the token: llguidance's <[id]>, or <[^id]> negated.
+# What llguidance's GBNF converter does not read as llama.cpp does, rewritten before it:
+# - Token references: <[id]>, or <text> (a text that tokenizes, special tokens parsed, to exactly one
+#   token), either negated by a leading "!" (any one token but that one). Each is given to the
+#   converter as a rule of its own that refers to itself (so the converter never makes it, or a rule
+#   that uses it, a lexer terminal), whose line in the Lark text is then made the token:
+#   llguidance's <[id]>, or <[^id]> negated.
+# - A group under a repetition whose own last item is repeated, `("a"{0,3})*`: the converter drops
+#   the parentheses and writes `"a"{0,3}*`, which Lark does not parse. Such a group becomes a rule of
+#   its own (the converter keeps a rule's name; one of text alone is then a lexeme, as the
+#   converter makes any such rule).
 TOKEN_RULE = "muse-token-ref-{}"
+GROUP_RULE = "muse-group-{}"
 _TOKEN_LINE = re.compile(r"(?m)^muse_token_ref_(\d+):.*$")
+_REPEATED = re.compile(r"[ \t]*[*+?{]")
 
 
-def _token_refs(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
-    """(the GBNF with each token reference a rule's name, the references: negated?, the text between < >;
-    one rule for each reference written alike)."""
-    out, refs, i, n = [], {}, 0, len(text)
+def _prepare_gbnf(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
+    """(the GBNF with each token reference and each repeated group a rule's name, the references:
+    negated?, the text between < >; one rule for each reference written alike)."""
+    out, refs, groups, opened, i, n = [], {}, [], [], 0, len(text)
     while i < n:
         c = text[i]
         if c == "#":   # a comment, to the end of its line
@@ -176,13 +183,65 @@ def _token_refs(text: str, what: str) -> tuple[str, list[tuple[bool, str]]]:
             out.append(f" {TOKEN_RULE.format(k)} ")
             i = j + 1
             continue
+        elif c == "(":
+            opened.append(len(out))
+            j = i + 1
+        elif c == ")" and opened:
+            start = opened.pop()
+            body = "".join(out[start + 1:])
+            if _REPEATED.match(text, i + 1) and body.rstrip()[-1:] in ("*", "+", "?", "}") and _one_item(body):
+                groups.append(body)
+                del out[start:]
+                out.append(f" {GROUP_RULE.format(len(groups) - 1)}")
+                i += 1
+                continue
+            j = i + 1
         else:
             j = i + 1
         out.append(text[i:j])
         i = j
-    if refs:
-        out += [f"\n{TOKEN_RULE.format(k)} ::= \"\\x01\" {TOKEN_RULE.format(k)}" for k in range(len(refs))]
+    out += [f"\n{GROUP_RULE.format(k)} ::= ({body}\n)" for k, body in enumerate(groups)]
+    out += [f"\n{TOKEN_RULE.format(k)} ::= \"\\x01\" {TOKEN_RULE.format(k)}" for k in range(len(refs))]
     return "".join(out), list(refs)
+
+
+def _one_item(body: str) -> bool:
+    """Whether a group's text is one item (a string, class, name, group or `.`, with its operators):
+    the groups the converter unwraps."""
+    items, depth, i, n = 0, 0, 0, len(body)
+    while i < n:
+        c = body[i]
+        if c == "#":
+            i = body.find("\n", i)
+            i = n if i < 0 else i
+            continue
+        if c in "\"[":
+            close, j = ('"' if c == '"' else "]"), i + 1
+            while j < n and body[j] != close:
+                j += 2 if body[j] == "\\" else 1
+            items += depth == 0
+            i = j + 1
+            continue
+        if c == "|" and depth == 0:
+            return False
+        if c == "{":
+            j = body.find("}", i)
+            i = n if j < 0 else j + 1
+            continue
+        if c == "(":
+            items += depth == 0
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c.isalnum() or c in "-_.":
+            j = i + 1
+            while c != "." and j < n and (body[j].isalnum() or body[j] in "-_"):
+                j += 1
+            items += depth == 0
+            i = j
+            continue
+        i += 1
+    return items == 1
 
 
 def _with_tokens(lark: str, refs: list[tuple[bool, str]], what: str, vocab) -> str:

@@ -30,6 +30,9 @@ GRAMMARS = [
     'root ::= [a-z]+ " " <[4]> word <|start|> word " " <|eot|>\nword ::= [a-z]+ ("-" [a-z]+)?',
     'root ::= <[510]> !<[4]>{3,5} <[511]> [a-z ]+ "."',
     'root ::= <|start|> !<[508]>{2,6} <|message|> [a-z ]+ "."',
+    # groups whose one item is repeated, under a repetition (llguidance's converter unwrapped them into
+    # Lark it cannot parse)
+    'root ::= ("e"{0,2}){1,3} " " ([a-z]+)? (" " ([a-z]{1,3})+)* "."',
 ]
 
 
