@@ -325,12 +325,16 @@ def run(argv: list[str] | None = None) -> int:
     too_big = [t for t, _ in settings.logit_bias if t >= g.n_vocab]
     if too_big:
         raise MuseError(f"--logit-bias: token {too_big[0]} is not in the model's vocabulary of {g.n_vocab:,}")
+    streamer, display = _answer_reading(tokenizer, args)
     constraint = None
     if grammar is not None:
         from .grammar import Grammars
-        constraint = Grammars(tokenizer).compile(*grammar)
+        grammars = Grammars(tokenizer)
+        if display is not None and grammar[0] == "json_schema":   # as llama-server holds a chat's schema
+            from . import chat_format
+            grammar = ("lark", chat_format.answer_grammar(grammar[1], grammars.special_id), grammar[2])
+        constraint = grammars.compile(*grammar)
     sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids, constraint)
-    streamer, display = _answer_reading(tokenizer, args)
     stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout
     start = time.perf_counter()

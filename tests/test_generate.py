@@ -1,6 +1,7 @@
 """`python -m muse_mlx.generate`: stdout carries only text, stats go to stderr, user errors exit 2."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -82,6 +83,13 @@ def test_chat_answer_is_read_as_llama_cli_shows_it(f32_fixture, tmp_path):
     assert r.stdout == "\n[Start thinking]\n\nHmm.\n[End thinking]\n", r.stderr
     r = run_cli(*base[:-1], "--grammar", 'root ::= " to=user" <|message|> "Yes.\\n"')
     assert r.stdout == "Yes.\n", r.stderr
+    # a JSON schema holds the answer's message, as llama-server holds a chat's (the bias ends the
+    # free part at once with <|message|>, token 511 of the fixture's vocabulary)
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false}'
+    r = run_cli(*base[:-1], "--json-schema", schema, "--logit-bias", "511+100")
+    assert r.returncode == 0 and list(json.loads(r.stdout)) == ["ok"], (r.stdout, r.stderr)
+    r = run_cli(*base[:-1], "--json-schema", schema, "--logit-bias", "511+100", "--reasoning-format", "none")
+    assert r.stdout.startswith("<|message|>") and list(json.loads(r.stdout[len("<|message|>"):])) == ["ok"], r.stdout
     r = run_cli("--model", str(f32_fixture), "-p", "x", "--reasoning-format", "none")
     assert r.returncode == 2 and "--reasoning-format needs --chat" in r.stderr
 
