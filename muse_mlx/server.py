@@ -305,11 +305,13 @@ INCOMING_TTL_S = 3600.0
 class App:
     """The HTTP side: validation, the request's event queue, the OpenAI response shapes."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None, model_id: dict,
+    def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, api_keys, model_id: dict,
                  slot_save_path: Path | None, incoming_ttl_s: float = INCOMING_TTL_S, batch_invariant: bool = False,
                  metrics: bool = False, reasoning_format: str = "auto"):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
-        self.api_key, self.model_id, self.slot_save_path = api_key, model_id, slot_save_path
+        # the keys a request may carry (none: no key asked for); model_name's other names (--alias)
+        self.api_keys, self.model_id, self.slot_save_path = tuple(api_keys or ()), model_id, slot_save_path
+        self.aliases: tuple[str, ...] = ()
         self.incoming_ttl_s, self.batch_invariant, self.metrics = incoming_ttl_s, batch_invariant, metrics
         self._grammars: Grammars | None = None   # llguidance's token table, made at the first grammar
         self._grammars_lock = threading.Lock()
@@ -399,8 +401,8 @@ class App:
     async def models(self, request):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "muse_mlx"}]})
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "aliases": list(self.aliases),
+                                                         "object": "model", "created": 0, "owned_by": "muse_mlx"}]})
 
     async def props(self, request):
         """llama-server's /props, the part that applies: slots, context, the defaults a request's
@@ -1317,20 +1319,22 @@ def _ok(response, what: str) -> None:
 
 
 class _AuthMiddleware:
-    """The API key on every route but /health (when the server has one): `Authorization: Bearer KEY`,
-    or, where that header is absent, `X-Api-Key: KEY` (Anthropic's clients' header)."""
+    """An API key on every route but /health (when the server has any): `Authorization: Bearer KEY`,
+    or, where that header is absent, `X-Api-Key: KEY` (Anthropic's clients' header); any of the
+    server's keys (--api-key's list, --api-key-file's lines)."""
 
     def __init__(self, app, app_state: App):
         self.app, self.state = app, app_state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.state.api_key is not None and scope["path"] != "/health":
+        if scope["type"] == "http" and self.state.api_keys and scope["path"] != "/health":
             headers = dict(scope.get("headers") or [])
-            key = self.state.api_key.encode("utf-8", "surrogateescape")
             given = headers.get(b"authorization")
             if given is None:   # Anthropic's clients send the key as X-Api-Key (llama-server takes either)
                 given = b"Bearer " + headers.get(b"x-api-key", b"")
-            if not hmac.compare_digest(given, b"Bearer " + key):   # in constant time
+            matches = [hmac.compare_digest(given, b"Bearer " + key.encode("utf-8", "surrogateescape"))
+                       for key in self.state.api_keys]   # each in constant time, all of them compared
+            if not any(matches):
                 response = App.error("invalid or missing API key (Authorization: Bearer ..., or X-Api-Key)", 401, None,
                                      "authentication_error")
                 await response(scope, receive, send)
@@ -1366,20 +1370,62 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
     if save_path is not None and not save_path.is_dir():
         raise MuseError(f"--slot-save-path {save_path}: not a folder")
     ttl = getattr(args, "kv_incoming_ttl", INCOMING_TTL_S)
-    app = App(scheduler, tokenizer, Path(model_path).name, args.api_key, model_id, save_path, ttl,
+    aliases, keys = getattr(args, "alias", None) or (), getattr(args, "api_keys", None)
+    app = App(scheduler, tokenizer, aliases[0] if aliases else Path(model_path).name,
+              keys if keys is not None else api_keys(args.api_key, getattr(args, "api_key_file", None)),
+              model_id, save_path, ttl,
               bool(config.batch_invariant), bool(getattr(args, "metrics", False)),
               getattr(args, "reasoning_format", "auto"))
+    app.aliases = tuple(aliases)
     return app, scheduler
+
+
+KEY_FILE_MAX_BYTES = 1 << 20
+
+
+def api_keys(listed: str | None, path: str | None) -> tuple[str, ...]:
+    """llama-server's keys: --api-key's comma-separated list (CSV: a key may be quoted) and
+    --api-key-file's lines (empty lines and lines starting with '#' skipped). MuseError names a file
+    that cannot be read."""
+    import csv
+
+    keys = []
+    if listed is not None:
+        keys += [k for row in csv.reader([listed]) for k in row if k]
+    if path is not None:
+        try:
+            data = cli.read_regular_file(path, KEY_FILE_MAX_BYTES)
+            if len(data) > KEY_FILE_MAX_BYTES:
+                raise MuseError(f"--api-key-file {path}: more than {KEY_FILE_MAX_BYTES // 1024} KiB")
+            text = data.decode("utf-8")
+        except OSError as exc:
+            raise MuseError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise MuseError(f"--api-key-file {path}: not UTF-8 (byte {exc.start})") from None
+        keys += [line for line in text.splitlines() if line and not line.startswith("#")]
+    return tuple(keys)
+
+
+def _aliases(text: str) -> list[str]:
+    """--alias: comma-separated names, stripped, empty ones dropped (llama-server's)."""
+    return [a.strip() for a in text.split(",") if a.strip()]
 
 
 def _command(argv=None) -> int:
     p = Parser(prog="python -m muse_mlx.server", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="a muse-glimmer GGUF (default: the embedded fixture)")
+    p.add_argument("--model", "-m", help="a muse-glimmer GGUF (default: the embedded fixture)")
+    p.add_argument("--alias", "-a", type=_aliases, metavar="NAME[,NAME...]",
+                   help="the model's names in the API (llama-server's: the first is its id in /v1/models and in "
+                        "every answer; default the GGUF's file name)")
     p.add_argument("--parallel", "-np", type=int, default=1, help="slots, 1..4 (default 1)")
     p.add_argument("--ctx-size", "-c", type=int, help="positions per slot (default and most: the model's limit)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", metavar="KEY[,KEY...]",
+                   help="require 'Authorization: Bearer KEY' on every route but /health; several keys "
+                        "comma-separated (llama-server's)")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="more keys, one a line ('#' starts a comment line; llama-server's)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
     p.add_argument("--prompt-cache", nargs="?", const="", metavar="DIR", help="reuse stored prompt prefixes (kvpack)")
     p.add_argument("--slot-save-path", metavar="DIR", help="folder for POST /slots/{id}?action=save|restore")
@@ -1413,6 +1459,11 @@ def _command(argv=None) -> int:
         raise MuseError(f"--queue must be >= 0, got {args.queue}")
     if not (args.kv_incoming_ttl >= 0 and math.isfinite(args.kv_incoming_ttl)):
         raise MuseError(f"--kv-incoming-ttl must be a finite number of seconds >= 0, got {args.kv_incoming_ttl}")
+    if args.alias is not None and not args.alias:
+        raise MuseError("--alias names no model name")
+    args.api_keys = api_keys(args.api_key, args.api_key_file)   # a bad key file is refused before the weights load
+    if (args.api_key is not None or args.api_key_file is not None) and not args.api_keys:
+        raise MuseError("--api-key / --api-key-file give no key")
     config = KernelConfig.parse(args.kernel_config, args.batch_invariant)   # refused before the weights load
     if args.chat_template_file is not None:   # so is a chat template file that cannot be read or compiled
         from .tokenizer import compile_chat_template, read_chat_template_file

@@ -647,6 +647,40 @@ def test_auth_and_routes(server):
                       headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
 
 
+def test_aliases_and_several_keys(f32_fixture, tmp_path):
+    """llama-server's -m, --alias (the first name the model's id in /v1/models and in answers) and its
+    keys: --api-key's comma-separated list and --api-key-file's lines (comments skipped), any of them
+    taken, as a Bearer token or X-Api-Key; others 401."""
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nfile-key\n\n#not-a-key\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "muse_mlx.server", "-m", str(f32_fixture), "--port", str(port),
+                             "--ctx-size", str(CTX), "--reference", "--no-warmup", "--alias", "glimmer, muse",
+                             "--api-key", 'one,"two,2"', "--api-key-file", str(keys)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        for key in ("one", "two,2", "file-key"):
+            client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+            (model,) = client.models.list().data
+            assert model.id == "glimmer" and model.model_extra["aliases"] == ["glimmer", "muse"]
+            r = client.completions.create(model="x", prompt="a", max_tokens=2, temperature=0)
+            assert r.model == "glimmer"
+        assert httpx.get(base + "/v1/models", headers={"X-Api-Key": "file-key"}).status_code == 200
+        for bad in ("two", "#not-a-key", "# the team's keys", "one,two,2"):
+            assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {bad}"}).status_code == 401, bad
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_a_disconnected_stream_frees_its_slot(server):
     h = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", server + "/v1/completions", headers=h, timeout=60,
