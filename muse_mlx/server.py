@@ -119,6 +119,20 @@ def _integer(body, name, default, lo=None, hi=None):
     return v
 
 
+# llama-server's sampling flags: the defaults of a request's fields (flag, field, type)
+SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
+                  ("--min-p", "min_p", float), ("--seed", "seed", int), ("--repeat-penalty", "repeat_penalty", float),
+                  ("--repeat-last-n", "repeat_last_n", int), ("--presence-penalty", "presence_penalty", float),
+                  ("--frequency-penalty", "frequency_penalty", float))
+
+
+def with_defaults(body: dict, defaults: dict) -> dict:
+    """The body with the server's defaults (its sampling flags) where it gives a field no value."""
+    if not defaults:
+        return body
+    return {**body, **{k: v for k, v in defaults.items() if body.get(k) is None}}
+
+
 def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
     return SamplerSettings(temp=_number(body, "temperature", 1.0, 0.0, 100.0),
                            top_k=_integer(body, "top_k", 0, 0, 1 << 30),
@@ -316,6 +330,7 @@ class App:
         self._grammars: Grammars | None = None   # llguidance's token table, made at the first grammar
         self._grammars_lock = threading.Lock()
         self.reasoning_format = reasoning_format   # llama-server's --reasoning-format: a request's default
+        self.defaults: dict = {}   # request fields' defaults from the command line (SAMPLING_FLAGS, -n)
         # the chat template's answers are read (reasoning, content, tool calls) where it is muse-glimmer's
         self.reads_answers = chat_format.is_muse_glimmer(tokenizer.chat_template)
         self._shown = tokenizer.token_ids(chat_format.PRESERVED) & tokenizer.control_ids   # a stop token's too (ignore_eos)
@@ -411,7 +426,7 @@ class App:
 
         from starlette.responses import JSONResponse
 
-        defaults = asdict(sampling_of({}, self.scheduler.model.geometry.n_vocab))
+        defaults = asdict(sampling_of(self.defaults, self.scheduler.model.geometry.n_vocab))
         defaults["temperature"] = defaults.pop("temp")
         defaults["logit_bias"] = []
         return JSONResponse({
@@ -1054,13 +1069,15 @@ class App:
         events arrive on one queue as (choice, event)."""
         context = self.scheduler.context
         default_max = context - len(ids)
+        if all(body.get(n) is None for n in ("max_completion_tokens", "max_tokens", "n_predict")):
+            body = with_defaults(body, {"n_predict": self.defaults.get("n_predict")})   # -n's
         name = next((n for n in (*(("max_completion_tokens",) if chat else ()), "max_tokens", "n_predict")
                      if body.get(n) is not None), "max_tokens")
         max_tokens = _integer(body, name, min(default_max, 4096) if chat else 16, -1 if name == "n_predict" else 0,
                               1 << 30)
         if max_tokens < 0:   # llama-server's n_predict = -1: until the slot is full
             max_tokens = default_max
-        sampling = sampling_of(body, self.scheduler.model.geometry.n_vocab)
+        sampling = sampling_of(with_defaults(body, self.defaults), self.scheduler.model.geometry.n_vocab)
         stops = stops_of(body)
         n = _integer(body, "n", 1, 1, n_max)
         _boolean(body, "stream")
@@ -1377,7 +1394,26 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
               bool(config.batch_invariant), bool(getattr(args, "metrics", False)),
               getattr(args, "reasoning_format", "auto"))
     app.aliases = tuple(aliases)
+    app.defaults = request_defaults(args)
     return app, scheduler
+
+
+def request_defaults(args) -> dict:
+    """The request fields' defaults the command line sets (llama-server's sampling flags and -n), checked
+    as a request's fields are: MuseError names the flag."""
+    out = {field: getattr(args, flag[2:].replace("-", "_"), None) for flag, field, _ in SAMPLING_FLAGS}
+    out = {k: v for k, v in out.items() if v is not None}
+    try:
+        sampling_of(out, 1)   # (no logit bias among them: the vocabulary's size is not asked)
+    except BadRequest as exc:
+        flag = next(f for f, field, _ in SAMPLING_FLAGS if field == exc.param)
+        raise MuseError(f"{flag}: {exc.message.replace(repr(exc.param), 'the value')}") from None
+    n_predict = getattr(args, "n_predict", None)
+    if n_predict is not None:
+        if n_predict < -1:
+            raise MuseError(f"--n-predict must be -1 (until the slot is full) or >= 0, got {n_predict}")
+        out["n_predict"] = n_predict
+    return out
 
 
 KEY_FILE_MAX_BYTES = 1 << 20
@@ -1426,6 +1462,11 @@ def _command(argv=None) -> int:
                         "comma-separated (llama-server's)")
     p.add_argument("--api-key-file", metavar="FILE",
                    help="more keys, one a line ('#' starts a comment line; llama-server's)")
+    for flag, field, kind in SAMPLING_FLAGS:
+        p.add_argument(flag, type=kind, metavar="N" if kind is int else "X",
+                       help=f"the default of a request's '{field}' (llama-server's flag)")
+    p.add_argument("--n-predict", "-n", type=int, metavar="N",
+                   help="the default of a request's token limit where it gives none (-1: until the slot is full)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
     p.add_argument("--prompt-cache", nargs="?", const="", metavar="DIR", help="reuse stored prompt prefixes (kvpack)")
     p.add_argument("--slot-save-path", metavar="DIR", help="folder for POST /slots/{id}?action=save|restore")
@@ -1462,6 +1503,7 @@ def _command(argv=None) -> int:
     if args.alias is not None and not args.alias:
         raise MuseError("--alias names no model name")
     args.api_keys = api_keys(args.api_key, args.api_key_file)   # a bad key file is refused before the weights load
+    request_defaults(args)   # so are bad sampling flags
     if (args.api_key is not None or args.api_key_file is not None) and not args.api_keys:
         raise MuseError("--api-key / --api-key-file give no key")
     config = KernelConfig.parse(args.kernel_config, args.batch_invariant)   # refused before the weights load

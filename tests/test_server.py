@@ -681,6 +681,25 @@ def test_aliases_and_several_keys(f32_fixture, tmp_path):
         proc.wait(timeout=30)
 
 
+def test_sampling_flags_are_the_requests_defaults(f32_fixture, solo):
+    """llama-server's sampling flags and -n set the fields a request leaves out: with --temp 0 and
+    -n 5 a bare completion is the 5-token greedy run; a request's own fields win; /props shows them."""
+    proc, base = start_server(f32_fixture, "--temp", "0", "-n", "5", "--top-k", "7", "--no-warmup", parallel=1)
+    try:
+        ids = prompt_ids(3, 9)
+        r = httpx.post(base + "/v1/completions", json={"prompt": ids}, timeout=120).json()
+        assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["text"] == solo(ids, 5)
+        r = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 1.0, "seed": 3},
+                       timeout=120).json()
+        assert r["usage"]["completion_tokens"] == 2
+        assert r["choices"][0]["text"] == solo(ids, 2, SamplerSettings(temp=1.0, top_k=7, seed=3))
+        params = httpx.get(base + "/props").json()["default_generation_settings"]["params"]
+        assert params["temperature"] == 0.0 and params["top_k"] == 7
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_a_disconnected_stream_frees_its_slot(server):
     h = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", server + "/v1/completions", headers=h, timeout=60,
