@@ -1454,7 +1454,8 @@ def _command(argv=None) -> int:
                    help="the model's names in the API (llama-server's: the first is its id in /v1/models and in "
                         "every answer; default the GGUF's file name)")
     p.add_argument("--parallel", "-np", type=int, default=1, help="slots, 1..4 (default 1)")
-    p.add_argument("--ctx-size", "-c", type=int, help="positions per slot (default and most: the model's limit)")
+    p.add_argument("--ctx-size", "-c", type=int,
+                   help="positions per slot (default, 0 and most: the model's limit, as llama-server's 0)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY[,KEY...]",
@@ -1492,8 +1493,8 @@ def _command(argv=None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.parallel <= 4:
         raise MuseError(f"--parallel must be 1..4, got {args.parallel}")
-    if args.ctx_size is not None and args.ctx_size < 1:
-        raise MuseError(f"--ctx-size must be >= 1, got {args.ctx_size}")
+    if args.ctx_size is not None and args.ctx_size < 0:
+        raise MuseError(f"--ctx-size must be >= 1, or 0 for the model's limit, got {args.ctx_size}")
     if not 0 <= args.port <= 65535:
         raise MuseError(f"--port must be 0..65535, got {args.port}")
     if args.queue < 0:

@@ -593,7 +593,7 @@ def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, constr
 @pytest.mark.parametrize("argv, says", [
     (["--parallel", "5"], "--parallel must be 1..4, got 5"),
     (["--parallel", "0"], "--parallel must be 1..4, got 0"),
-    (["--ctx-size", "0"], "--ctx-size must be >= 1"),
+    (["--ctx-size", "-1"], "--ctx-size must be >= 1, or 0 for the model's limit, got -1"),
     (["--port", "70000"], "--port must be 0..65535"),
     (["--queue", "-1"], "--queue must be >= 0"),
     (["--kv-incoming-ttl", "-1"], "--kv-incoming-ttl must be a finite number of seconds >= 0"),

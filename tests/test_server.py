@@ -1079,6 +1079,18 @@ def in_process(f32_fixture, tmp_path):
         scheduler.thread.join(60)
 
 
+def test_ctx_size_0_is_the_model_s_limit(f32_fixture):
+    """--ctx-size 0 (llama-server's "from the model") gives each slot the model's context_length."""
+    import types
+
+    from muse_mlx import server
+
+    args = types.SimpleNamespace(model=str(f32_fixture), reference=True, ctx_size=0, parallel=1, queue=4,
+                                 prompt_cache=None, slot_save_path=None, api_key=None)
+    app, scheduler = server.build(args)
+    assert scheduler.context == scheduler.model.geometry.context_length > 0
+
+
 def test_a_slot_save_the_disk_refuses_is_507_and_leaves_nothing(in_process, monkeypatch):
     """POST /slots/{id}?action=save onto a full disk (ENOSPC from the pack's writes): 507 with an
     OpenAI-style error naming the pack and the cause, no half-written pack left, and the server
