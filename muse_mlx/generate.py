@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m muse_mlx.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="path to a muse-glimmer GGUF (default: the embedded synthetic fixture, "
                                    "written to the cache on first use)")
-    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text, or '-' to read stdin")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text, or '-' to read stdin")
+    prompt.add_argument("--file", "-f", metavar="FILE", help="read the prompt from a file (llama.cpp's -f)")
     p.add_argument("--max-tokens", "-m", type=int, default=100, help="maximum tokens to generate")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -187,14 +189,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_prompt(arg: str) -> str:
-    """The prompt text, or stdin's bytes for '-'; either as strict UTF-8 (Python hands argv's
-    undecodable bytes over as lone surrogates: os.fsencode gives the bytes back)."""
-    data = os.fsencode(arg) if arg != "-" else sys.stdin.buffer.read() if sys.stdin is not None else b""
+PROMPT_FILE_MAX_BYTES = 64 * 2**20
+
+
+def _prompt_file(path: str) -> bytes:
+    """--file's bytes (a regular file of at most PROMPT_FILE_MAX_BYTES), read before the weights load."""
+    try:
+        data = cli.read_regular_file(path, PROMPT_FILE_MAX_BYTES)
+    except OSError as exc:
+        raise MuseError(f"--file {path}: {exc.strerror or exc}") from None
+    if len(data) > PROMPT_FILE_MAX_BYTES:
+        raise MuseError(f"--file {path}: more than {PROMPT_FILE_MAX_BYTES // 2**20} MiB")
+    return data
+
+
+def _read_prompt(arg: str, data: bytes | None = None) -> str:
+    """The prompt text, or stdin's bytes for '-', or a file's `data` (--file); as strict UTF-8 (Python
+    hands argv's undecodable bytes over as lone surrogates: os.fsencode gives the bytes back)."""
+    if data is None:
+        data = os.fsencode(arg) if arg != "-" else sys.stdin.buffer.read() if sys.stdin is not None else b""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        where = "stdin" if arg == "-" else "--prompt"
+        where = "--file" if arg is None else "stdin" if arg == "-" else "--prompt"
         raise MuseError(f"{where} is not UTF-8 text: byte {exc.start} ({data[exc.start]:#04x}) cannot be decoded") \
             from None
 
@@ -279,6 +296,7 @@ def run(argv: list[str] | None = None) -> int:
     if problems:
         raise MuseError(problems[0])
     kernel_config = KernelConfig.parse(args.kernel_config, args.batch_invariant)
+    prompt_file = _prompt_file(args.file) if args.file is not None else None   # read before the weights load
     grammar = _grammar_text(args)
     if grammar is not None:   # checked before the weights load: a bad one fails now
         from .grammar import grammar_of
@@ -309,7 +327,7 @@ def run(argv: list[str] | None = None) -> int:
     opened = getattr(model, "open_seconds", 0.0)
     load_parts = (opened, t_tokenizer - t_load - opened, time.perf_counter() - t_tokenizer)
 
-    prompt = _read_prompt(args.prompt)
+    prompt = _read_prompt(None, prompt_file) if args.file is not None else _read_prompt(args.prompt)
     if args.chat:
         messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + \
             [{"role": "user", "content": prompt}]

@@ -194,6 +194,9 @@ def test_a_chat_template_file_that_is_a_fifo_is_refused_without_waiting(f32_fixt
     (["--logit-bias", "15+"], "--logit-bias: expected TOKEN_ID(+/-)BIAS"),
     (["--logit-bias", "15+inf"], "--logit-bias: token 15 bias inf"),
     (["--logit-bias", "99999999-1"], "--logit-bias: token 99999999 is not in the model's vocabulary"),
+    (["--file", "/definitely/not/here.txt"], "--file /definitely/not/here.txt: No such file or directory"),
+    (["--file", "/"], "--file /: Is a directory"),
+    (["--file", "x.txt", "-p", "y"], "not allowed with argument --file"),
 ])
 def test_user_errors_exit_2_with_one_line(args, fragment):
     r = run_cli(*args)
@@ -201,6 +204,18 @@ def test_user_errors_exit_2_with_one_line(args, fragment):
     assert r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_prompt_from_a_file(f32_fixture, tmp_path):
+    """--file (llama.cpp's -f): the file's text is the prompt, as --prompt's; not UTF-8 is one line."""
+    path = tmp_path / "prompt.txt"
+    path.write_text("The cache keeps what\nit holds")
+    by_file = run_cli("--model", str(f32_fixture), "-f", str(path), "-m", "6")
+    by_flag = run_cli("--model", str(f32_fixture), "-p", "The cache keeps what\nit holds", "-m", "6")
+    assert by_file.returncode == 0 and by_file.stdout == by_flag.stdout and by_file.stdout.strip(), by_file.stderr
+    path.write_bytes(b"ok \xff")
+    r = run_cli("--model", str(f32_fixture), "-f", str(path))
+    assert r.returncode == 2 and "--file is not UTF-8 text: byte 3" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_ignore_eos(f32_fixture):
