@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0: off)")
+    p.add_argument("--typical", "--typical-p", type=float, default=1.0,
+                   help="keep the locally typical tokens up to this mass (llama.cpp's; 1: off)")
+    p.add_argument("--top-n-sigma", "--top-nsigma", type=float, default=-1.0,
+                   help="keep the logits within n standard deviations of the best (llama.cpp's; <= 0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--repeat-penalty", type=float, default=1.0,
                    help="divide a recent token's logit by this (multiply where <= 0), as llama.cpp (1: off)")
@@ -274,6 +278,7 @@ def _grammar_text(args) -> tuple[str, str, str] | None:
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = SamplerSettings(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                               typical_p=args.typical, top_n_sigma=args.top_n_sigma,
                                seed=args.seed, repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                logit_bias=tuple(_logit_bias(b) for b in args.logit_bias))

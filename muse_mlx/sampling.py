@@ -1,10 +1,12 @@
-"""Logits -> token: greedy, or temperature sampling after top-k / top-p / min-p filters.
+"""Logits -> token: greedy, or temperature sampling after top-n-sigma / top-k / typical-p / top-p /
+min-p filters.
 
 The order follows llama.cpp's default sampler chain (common/sampling.cpp): the logit bias,
 then the penalties (repeat, frequency, presence over the last `repeat_last_n` tokens of the
 prompt and the output, as llama-server accepts the prompt's tokens into its sampler), then
-top-k, top-p, min-p, then temperature, then a draw: the filters see the model's distribution
-as biased and penalized, and the temperature only reshapes what survives them. `temp == 0`
+top-n-sigma, top-k, typical-p, top-p, min-p, then temperature, then a draw: the filters see the
+model's distribution as biased and penalized, and the temperature only reshapes what survives
+them. Each filter is llama-sampler.cpp's (tests/test_sampling.py runs them side by side). `temp == 0`
 is greedy (argmax of the biased, penalized logits). The sampler accepts its own picks
 lazily, on the device, so a decode loop can build the next step before reading a token.
 """
@@ -24,6 +26,8 @@ class SamplerSettings:
     top_k: int = 0      # 0: off
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
+    typical_p: float = 1.0    # 1: off (llama.cpp's locally typical sampling)
+    top_n_sigma: float = -1.0   # <= 0: off (llama.cpp's: logits within n standard deviations of the best)
     seed: int = 0
     # llama.cpp's penalties sampler (llama_sampler_penalties_apply): a token among the last
     # repeat_last_n has its logit divided by repeat_penalty (multiplied where <= 0), then count *
@@ -49,6 +53,10 @@ class SamplerSettings:
             p.append(f"--top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             p.append(f"--min-p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.typical_p <= 1:
+            p.append(f"--typical must be in [0, 1], got {self.typical_p}")
+        if not math.isfinite(self.top_n_sigma):
+            p.append(f"--top-n-sigma must be finite, got {self.top_n_sigma}")
         if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
             p.append(f"--repeat-penalty must be a finite number > 0, got {self.repeat_penalty}")
         if self.repeat_last_n < 0:
@@ -135,12 +143,28 @@ class Sampler:
         self._n += 1
 
     def filter(self, logits: mx.array) -> mx.array:
-        """Mask (to -inf) the tokens the top-k / top-p / min-p filters drop. logits: (V,) float32."""
+        """Mask (to -inf) the tokens the top-n-sigma / top-k / typical-p / top-p / min-p filters drop, in
+        llama.cpp's order and by its rules (llama-sampler.cpp). logits: (V,) float32."""
         s = self.settings
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
+        if s.top_n_sigma > 0:   # keep logits within n standard deviations (of the finite ones) of the best
+            valid = logits > neg_inf
+            count = mx.sum(valid)
+            mean = mx.sum(mx.where(valid, logits, 0.0)) / count
+            std = mx.sqrt(mx.sum(mx.where(valid, mx.square(logits - mean), 0.0)) / count)
+            logits = mx.where(logits < logits.max() - s.top_n_sigma * std, neg_inf, logits)
         if 0 < s.top_k < logits.shape[-1]:
             kth = mx.sort(logits)[-s.top_k]
             logits = mx.where(logits >= kth, logits, neg_inf)
+        if s.typical_p < 1.0:   # the tokens whose surprise is nearest the entropy, up to mass typical_p
+            probs = mx.softmax(logits, precise=True)
+            logp = mx.log(probs)
+            entropy = -mx.sum(mx.where(probs > 0, probs * logp, 0.0))
+            shifted = mx.where(probs > 0, mx.abs(-logp - entropy), mx.inf)
+            order = mx.argsort(shifted)
+            ranked = probs[order]
+            n_keep = mx.maximum(mx.sum(mx.cumsum(ranked) - ranked <= s.typical_p), 1)   # through the one passing it
+            logits = mx.where(shifted <= shifted[order[n_keep - 1]], logits, neg_inf)
         if s.top_p < 1.0:
             ordered = mx.sort(logits)[::-1]
             probs = mx.softmax(ordered, precise=True)
@@ -148,9 +172,8 @@ class Sampler:
             n_keep = mx.sum(before < s.top_p)          # >= 1: the first token is always kept
             threshold = ordered[n_keep - 1]
             logits = mx.where(logits >= threshold, logits, neg_inf)
-        if s.min_p > 0.0:
-            probs = mx.softmax(logits, precise=True)
-            logits = mx.where(probs >= s.min_p * probs.max(), logits, neg_inf)
+        if s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
+            logits = mx.where(logits >= logits.max() + float(np.log(np.float32(s.min_p))), logits, neg_inf)
         return logits
 
     def token(self, logits: mx.array) -> mx.array:

@@ -1,4 +1,4 @@
-"""The logit bias and the penalties against the pinned llama.cpp's own samplers.
+"""The logit bias, the penalties and the filters against the pinned llama.cpp's own samplers.
 
 llama.cpp's chain (common/sampling.cpp) starts with llama_sampler_init_logit_bias and then
 llama_sampler_init_penalties, which accepts every token of the prompt and of the output
@@ -103,6 +103,91 @@ def test_bias_and_penalties_match_the_pinned_llama_cpp(name):
         theirs.free()
 
 
+FILTERS = {
+    "top-n-sigma": SamplerSettings(temp=1, top_n_sigma=1.0),
+    "top-n-sigma-wide": SamplerSettings(temp=1, top_n_sigma=2.5),
+    "typical-half": SamplerSettings(temp=1, typical_p=0.5),
+    "typical-tight": SamplerSettings(temp=1, typical_p=0.2),
+    "typical-loose": SamplerSettings(temp=1, typical_p=0.95),
+    "top-k": SamplerSettings(temp=1, top_k=10),
+    "top-p": SamplerSettings(temp=1, top_p=0.8),
+    "min-p": SamplerSettings(temp=1, min_p=0.05),
+    "chain": SamplerSettings(temp=1, top_k=40, typical_p=0.7, top_p=0.9, min_p=0.02),
+    "sigma-k-min": SamplerSettings(temp=1, top_n_sigma=1.5, top_k=20, min_p=0.1),
+}
+
+
+def llama_filters(L, s: SamplerSettings) -> list:
+    """llama.cpp's filters as common/sampling.cpp chains them (top-n-sigma, top-k, typical-p, top-p,
+    min-p; min_keep 0), those that are on."""
+    out = []
+    if s.top_n_sigma > 0:
+        out.append(L.llama_sampler_init_top_n_sigma(s.top_n_sigma))
+    if s.top_k > 0:
+        out.append(L.llama_sampler_init_top_k(s.top_k))
+    if s.typical_p < 1:
+        out.append(L.llama_sampler_init_typical(s.typical_p, 0))
+    if s.top_p < 1:
+        out.append(L.llama_sampler_init_top_p(s.top_p, 0))
+    if s.min_p > 0:
+        out.append(L.llama_sampler_init_min_p(s.min_p, 0))
+    return out
+
+
+@pytest.mark.parametrize("name", FILTERS)
+def test_filters_keep_what_llama_cpp_s_keep(name):
+    """Over 40 random logit rows (some tokens banned to -inf, as a bias or grammar leaves them, except
+    before typical-p: test_typical_p_with_banned_tokens), the tokens top-n-sigma / top-k / typical-p /
+    top-p / min-p leave are the ones llama.cpp's own samplers leave, chained in its order."""
+    settings, L, V = FILTERS[name], llama(), 300
+    rng = np.random.default_rng([11, len(name)])
+    samplers, cut = llama_filters(L, settings), 0
+    try:
+        for row in range(40):
+            logits = (rng.standard_normal(V) * rng.uniform(0.5, 4)).astype(np.float32)
+            if settings.typical_p == 1 and settings.top_n_sigma <= 0:
+                logits[rng.integers(0, V, 20)] = -np.inf
+            data = (L.llama_token_data * V)(*[L.llama_token_data(i, float(v), 0.0) for i, v in enumerate(logits)])
+            arr = L.llama_token_data_array(data, V, -1, False)
+            for smpl in samplers:
+                L.llama_sampler_apply(smpl, ctypes.byref(arr))
+            want = sorted(data[i].id for i in range(arr.size) if data[i].logit != -np.inf)
+            got = np.flatnonzero(np.isfinite(np.array(Sampler(settings).filter(mx.array(logits))))).tolist()
+            assert got == want, (row, sorted(set(got) ^ set(want))[:8], len(got), len(want))
+            assert want
+            cut += len(want) < int(np.isfinite(logits).sum())
+        assert cut >= 10   # the filter left fewer tokens than it was given in at least a quarter of the rows
+    finally:
+        for smpl in samplers:
+            L.llama_sampler_free(smpl)
+
+
+def test_typical_p_with_banned_tokens():
+    """Typical-p over logits with -inf among them (a bias's ban, a grammar's mask, top-n-sigma's cut):
+    llama.cpp's sampler takes 0 * log(0) into the entropy, which makes it NaN, and then keeps every
+    token. Here the entropy is the support's and the kept tokens are a float64 reference's: ranked
+    by |-log p - H|, taken until the mass passes typical_p."""
+    rng = np.random.default_rng(5)
+    V = 300
+    for row in range(40):
+        p = float(rng.uniform(0.1, 0.95))
+        logits = (rng.standard_normal(V) * rng.uniform(0.5, 4)).astype(np.float32)
+        logits[rng.integers(0, V, 40)] = -np.inf
+        z = logits.astype(np.float64)
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        support = probs > 0
+        entropy = -np.sum(probs[support] * np.log(probs[support]))
+        shifted = np.where(support, np.abs(-np.log(np.where(support, probs, 1)) - entropy), np.inf)
+        order = np.argsort(shifted, kind="stable")
+        n_keep = int(np.sum(np.cumsum(probs[order]) - probs[order] <= p))
+        want = sorted(order[:n_keep].tolist())
+        got = np.flatnonzero(np.isfinite(np.array(Sampler(SamplerSettings(temp=1, typical_p=p)).filter(
+            mx.array(logits))))).tolist()
+        assert got == want, (row, p, sorted(set(got) ^ set(want))[:8])
+        assert 0 < len(want) < V - 40
+
+
 def test_settings_that_change_nothing_leave_the_logits_alone():
     """Neutral penalties (or a window of 0) and no bias: the logits are returned as they came."""
     logits = mx.array(np.random.default_rng(3).standard_normal(50).astype(np.float32))
@@ -116,6 +201,8 @@ def test_settings_that_change_nothing_leave_the_logits_alone():
     (SamplerSettings(repeat_last_n=-1), "--repeat-last-n must be >= 0"),
     (SamplerSettings(frequency_penalty=float("nan")), "--frequency-penalty must be finite"),
     (SamplerSettings(logit_bias=((5, float("inf")),)), "--logit-bias"),
+    (SamplerSettings(typical_p=1.5), "--typical must be in [0, 1]"),
+    (SamplerSettings(top_n_sigma=float("nan")), "--top-n-sigma must be finite"),
 ])
 def test_settings_refused(settings, says):
     assert any(says in p for p in settings.problems()), settings.problems()

@@ -411,8 +411,8 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"logit_bias": [["a", 1]]}, "logit_bias"), ({"logit_bias": [[1, 101]]}, "logit_bias"),
     ({"logit_bias": [[1, 60], [1, 60]]}, "logit_bias"), ({"logit_bias": [[10**6, 1]]}, "logit_bias"),
     ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 2}, "mirostat"),
-    ({"typical_p": 0.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
-    ({"xtc_probability": 0.5}, "xtc_probability"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
+    ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"xtc_probability": 0.5}, "xtc_probability"), ({"top_n_sigma": "1"}, "top_n_sigma"),
     ({"dynatemp_range": 0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
     ({"continue_final_message": True}, "continue_final_message"),
 ])
@@ -428,6 +428,16 @@ def test_llama_server_samplers_at_their_off_values_are_taken(server):
            "dynatemp_range": 0.0, "post_sampling_probs": False, "cache_prompt": True, "n_predict": 2}
     r = httpx.post(server + "/completion", headers=h, timeout=120, json={"prompt": [1, 2, 3], **off})
     assert r.status_code == 200 and r.json()["tokens_predicted"] <= 2, r.text
+
+
+def test_typical_p_and_top_n_sigma_equal_the_solo_run(client, solo):
+    """llama-server's typical_p and top_n_sigma fields (OpenAI's client sends them as extra body): the
+    sampled text equals the CLI loop's with the same settings, and differs from the run without them."""
+    ids = prompt_ids(17, 23)
+    for extra, settings in [({"typical_p": 0.4}, SamplerSettings(temp=1.5, seed=9, typical_p=0.4)),
+                            ({"top_n_sigma": 0.8}, SamplerSettings(temp=1.5, seed=9, top_n_sigma=0.8))]:
+        r = client.completions.create(model="m", prompt=ids, max_tokens=12, temperature=1.5, seed=9, extra_body=extra)
+        assert r.choices[0].text == solo(ids, 12, settings) != solo(ids, 12, SamplerSettings(temp=1.5, seed=9))
 
 
 def test_n_choices(client, server, solo):
