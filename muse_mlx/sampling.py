@@ -1,10 +1,10 @@
 """Logits -> token: greedy, or temperature sampling after top-n-sigma / top-k / typical-p / top-p /
-min-p filters.
+min-p / XTC filters.
 
 The order follows llama.cpp's default sampler chain (common/sampling.cpp): the logit bias,
 then the penalties (repeat, frequency, presence over the last `repeat_last_n` tokens of the
 prompt and the output, as llama-server accepts the prompt's tokens into its sampler), then
-top-n-sigma, top-k, typical-p, top-p, min-p, then temperature, then a draw: the filters see the
+top-n-sigma, top-k, typical-p, top-p, min-p, XTC, then temperature, then a draw: the filters see the
 model's distribution as biased and penalized, and the temperature only reshapes what survives
 them. Each filter is llama-sampler.cpp's (tests/test_sampling.py runs them side by side). `temp == 0`
 is greedy (argmax of the biased, penalized logits). The sampler accepts its own picks
@@ -28,6 +28,10 @@ class SamplerSettings:
     min_p: float = 0.0  # 0: off
     typical_p: float = 1.0    # 1: off (llama.cpp's locally typical sampling)
     top_n_sigma: float = -1.0   # <= 0: off (llama.cpp's: logits within n standard deviations of the best)
+    # llama.cpp's XTC: with this probability a pick drops every token of probability >= xtc_threshold but
+    # the least likely of them (when two or more are); 0, or a threshold over 0.5: off
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     seed: int = 0
     # llama.cpp's penalties sampler (llama_sampler_penalties_apply): a token among the last
     # repeat_last_n has its logit divided by repeat_penalty (multiplied where <= 0), then count *
@@ -57,6 +61,10 @@ class SamplerSettings:
             p.append(f"--typical must be in [0, 1], got {self.typical_p}")
         if not math.isfinite(self.top_n_sigma):
             p.append(f"--top-n-sigma must be finite, got {self.top_n_sigma}")
+        if not 0 <= self.xtc_probability <= 1:
+            p.append(f"--xtc-probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= self.xtc_threshold <= 1:
+            p.append(f"--xtc-threshold must be in [0, 1], got {self.xtc_threshold}")
         if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
             p.append(f"--repeat-penalty must be a finite number > 0, got {self.repeat_penalty}")
         if self.repeat_last_n < 0:
@@ -142,9 +150,16 @@ class Sampler:
         self._ring[i:i + 1] = token
         self._n += 1
 
-    def filter(self, logits: mx.array) -> mx.array:
-        """Mask (to -inf) the tokens the top-n-sigma / top-k / typical-p / top-p / min-p filters drop, in
-        llama.cpp's order and by its rules (llama-sampler.cpp). logits: (V,) float32."""
+    @property
+    def xtc(self) -> bool:
+        s = self.settings
+        return s.xtc_probability > 0 and s.xtc_threshold <= 0.5
+
+    def filter(self, logits: mx.array, xtc_draw: mx.array | None = None) -> mx.array:
+        """Mask (to -inf) the tokens the top-n-sigma / top-k / typical-p / top-p / min-p / XTC filters
+        drop, in llama.cpp's order and by its rules (llama-sampler.cpp). logits: (V,) float32;
+        xtc_draw: XTC's uniform draw in [0, 1) (it applies where the draw <= xtc_probability; None:
+        it applies)."""
         s = self.settings
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
         if s.top_n_sigma > 0:   # keep logits within n standard deviations (of the finite ones) of the best
@@ -174,6 +189,14 @@ class Sampler:
             logits = mx.where(logits >= threshold, logits, neg_inf)
         if s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
             logits = mx.where(logits >= logits.max() + float(np.log(np.float32(s.min_p))), logits, neg_inf)
+        if self.xtc:   # the likely tokens but the least likely of them out, when two or more are likely
+            probs = mx.softmax(logits, precise=True)
+            likely = probs >= s.xtc_threshold
+            least = mx.min(mx.where(likely, probs, mx.inf))
+            cut = likely & (probs > least) & (mx.sum(likely) >= 2)
+            if xtc_draw is not None:
+                cut = cut & (xtc_draw <= s.xtc_probability)
+            logits = mx.where(cut, neg_inf, logits)
         return logits
 
     def token(self, logits: mx.array) -> mx.array:
@@ -187,7 +210,11 @@ class Sampler:
         if self.settings.temp == 0:
             token = mx.argmax(logits)
         else:
-            logits = self.filter(logits) / self.settings.temp
+            draw = None
+            if self.xtc:   # XTC's draw, from a split of its own
+                self._key, xtc_key = mx.random.split(self._key)
+                draw = mx.random.uniform(key=xtc_key)
+            logits = self.filter(logits, draw) / self.settings.temp
             self._key, sub = mx.random.split(self._key)
             token = mx.random.categorical(logits, key=sub)
         self._accept(token)

@@ -122,7 +122,8 @@ def _integer(body, name, default, lo=None, hi=None):
 # llama-server's sampling flags: the defaults of a request's fields (flag, field, type)
 SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
                   ("--min-p", "min_p", float), ("--typical", "typical_p", float),
-                  ("--top-n-sigma", "top_n_sigma", float), ("--seed", "seed", int), ("--repeat-penalty", "repeat_penalty", float),
+                  ("--top-n-sigma", "top_n_sigma", float), ("--xtc-probability", "xtc_probability", float),
+                  ("--xtc-threshold", "xtc_threshold", float), ("--seed", "seed", int), ("--repeat-penalty", "repeat_penalty", float),
                   ("--repeat-last-n", "repeat_last_n", int), ("--presence-penalty", "presence_penalty", float),
                   ("--frequency-penalty", "frequency_penalty", float))
 
@@ -141,6 +142,8 @@ def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
                            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                            typical_p=_number(body, "typical_p", 1.0, 0.0, 1.0),
                            top_n_sigma=_number(body, "top_n_sigma", -1.0),
+                           xtc_probability=_number(body, "xtc_probability", 0.0, 0.0, 1.0),
+                           xtc_threshold=_number(body, "xtc_threshold", 0.1, 0.0, 1.0),
                            seed=_integer(body, "seed", 0),
                            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -226,8 +229,7 @@ def generation_settings(req: Request, stream: bool) -> dict:
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
-    "mirostat": (0,), "dynatemp_range": (0.0, 0), "xtc_probability": (0.0, 0),
-    "dry_multiplier": (0.0, 0), "post_sampling_probs": (False,),
+    "mirostat": (0,), "dynatemp_range": (0.0, 0), "dry_multiplier": (0.0, 0), "post_sampling_probs": (False,),
     # llama-server's chat rendering option: an assistant message continued
     "continue_final_message": (False,),
 }

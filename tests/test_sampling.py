@@ -114,6 +114,9 @@ FILTERS = {
     "min-p": SamplerSettings(temp=1, min_p=0.05),
     "chain": SamplerSettings(temp=1, top_k=40, typical_p=0.7, top_p=0.9, min_p=0.02),
     "sigma-k-min": SamplerSettings(temp=1, top_n_sigma=1.5, top_k=20, min_p=0.1),
+    # XTC at probability 1 (llama.cpp's draw in [0, 1) is then always under it)
+    "xtc": SamplerSettings(temp=1, xtc_probability=1.0, xtc_threshold=0.05),
+    "k-xtc": SamplerSettings(temp=1, top_k=30, min_p=0.01, xtc_probability=1.0, xtc_threshold=0.1),
 }
 
 
@@ -131,6 +134,8 @@ def llama_filters(L, s: SamplerSettings) -> list:
         out.append(L.llama_sampler_init_top_p(s.top_p, 0))
     if s.min_p > 0:
         out.append(L.llama_sampler_init_min_p(s.min_p, 0))
+    if s.xtc_probability > 0:
+        out.append(L.llama_sampler_init_xtc(s.xtc_probability, s.xtc_threshold, 0, 1234))
     return out
 
 
@@ -145,13 +150,15 @@ def test_filters_keep_what_llama_cpp_s_keep(name):
     try:
         for row in range(40):
             logits = (rng.standard_normal(V) * rng.uniform(0.5, 4)).astype(np.float32)
+            if settings.xtc_probability:   # a few likely tokens, so that XTC has some to drop
+                logits[rng.integers(0, V, int(rng.integers(1, 5)))] += 6.0
             if settings.typical_p == 1 and settings.top_n_sigma <= 0:
                 logits[rng.integers(0, V, 20)] = -np.inf
             data = (L.llama_token_data * V)(*[L.llama_token_data(i, float(v), 0.0) for i, v in enumerate(logits)])
             arr = L.llama_token_data_array(data, V, -1, False)
             for smpl in samplers:
                 L.llama_sampler_apply(smpl, ctypes.byref(arr))
-            want = sorted(data[i].id for i in range(arr.size) if data[i].logit != -np.inf)
+            want = sorted(arr.data[i].id for i in range(arr.size) if arr.data[i].logit != -np.inf)   # XTC moves `data`
             got = np.flatnonzero(np.isfinite(np.array(Sampler(settings).filter(mx.array(logits))))).tolist()
             assert got == want, (row, sorted(set(got) ^ set(want))[:8], len(got), len(want))
             assert want
@@ -160,6 +167,25 @@ def test_filters_keep_what_llama_cpp_s_keep(name):
     finally:
         for smpl in samplers:
             L.llama_sampler_free(smpl)
+
+
+def test_xtc_applies_at_its_probability():
+    """XTC's draw: at probability 0.3 the likely tokens are dropped for about 30 % of 400 draws, never
+    at probability 0 or at a threshold over 0.5; through token() at probability 1 the pick is never
+    one of the likely tokens but the least likely of them."""
+    rng = np.random.default_rng(8)
+    logits = (rng.standard_normal(200) * 0.5).astype(np.float32)
+    logits[:3] += 5.0   # three likely tokens (p >= 0.1 each)
+    best, least = int(np.argmax(logits[:3])), int(np.argmin(logits[:3]))
+    xtc = Sampler(SamplerSettings(temp=1.0, xtc_probability=0.3, xtc_threshold=0.1))
+    dropped = [not np.isfinite(np.array(xtc.filter(mx.array(logits), mx.random.uniform(key=mx.random.key(s))))[best])
+               for s in range(400)]
+    assert 0.24 <= np.mean(dropped) <= 0.36, np.mean(dropped)
+    for settings in ({"xtc_probability": 0.0}, {"xtc_probability": 1.0, "xtc_threshold": 0.6}):
+        assert np.isfinite(np.array(Sampler(SamplerSettings(temp=1.0, **settings)).filter(mx.array(logits)))).all()
+    picks = {int(Sampler(SamplerSettings(temp=1.0, seed=s, xtc_probability=1.0)).token(mx.array(logits)).item())
+             for s in range(30)}
+    assert picks & {0, 1, 2} == {least}
 
 
 def test_typical_p_with_banned_tokens():
@@ -203,6 +229,8 @@ def test_settings_that_change_nothing_leave_the_logits_alone():
     (SamplerSettings(logit_bias=((5, float("inf")),)), "--logit-bias"),
     (SamplerSettings(typical_p=1.5), "--typical must be in [0, 1]"),
     (SamplerSettings(top_n_sigma=float("nan")), "--top-n-sigma must be finite"),
+    (SamplerSettings(xtc_probability=1.5), "--xtc-probability must be in [0, 1]"),
+    (SamplerSettings(xtc_threshold=-0.1), "--xtc-threshold must be in [0, 1]"),
 ])
 def test_settings_refused(settings, says):
     assert any(says in p for p in settings.problems()), settings.problems()
