@@ -119,6 +119,8 @@ def _integer(body, name, default, lo=None, hi=None):
     return v
 
 
+# llama.cpp's llama_vocab_type, by the GGUF's tokenizer.ggml.model
+VOCAB_TYPES = {"no_vocab": 0, "llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5, "plamo2": 6}
 # llama-server's sampling flags: the defaults of a request's fields (flag, field, type)
 SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
                   ("--min-p", "min_p", float), ("--typical", "typical_p", float),
@@ -422,7 +424,26 @@ class App:
         from starlette.responses import JSONResponse
 
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "aliases": list(self.aliases),
-                                                         "object": "model", "created": 0, "owned_by": "muse_mlx"}]})
+                                                         "object": "model", "created": 0, "owned_by": "muse_mlx",
+                                                         "meta": self.model_meta()}]})
+
+    def model_meta(self) -> dict:
+        """llama-server's `meta` of /v1/models: the vocabulary's type (llama.cpp's enum) and size, a
+        slot's context and the model's, the embedding width, the parameters and the tensors' bytes."""
+        from gguf import GGML_QUANT_SIZES
+
+        model = self.scheduler.model
+        g, artifact = model.geometry, model.artifact
+        n_params = size = 0
+        for raw in artifact.tensors.values():
+            n = 1
+            for d in raw.shape:
+                n *= d
+            block, nbytes = GGML_QUANT_SIZES[raw.qtype]
+            n_params, size = n_params + n, size + n // block * nbytes
+        return {"vocab_type": VOCAB_TYPES.get(artifact.vocabulary.model, 0), "n_vocab": g.n_vocab,
+                "n_ctx": self.scheduler.context, "n_ctx_train": g.context_length, "n_embd": g.n_embd,
+                "n_params": n_params, "size": size}
 
     async def props(self, request):
         """llama-server's /props, the part that applies: slots, context, the defaults a request's

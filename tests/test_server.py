@@ -1092,6 +1092,24 @@ def in_process(f32_fixture, tmp_path):
         scheduler.thread.join(60)
 
 
+@pytest.mark.parity
+def test_models_meta_is_llama_cpp_s(in_process, f32_fixture):
+    """/v1/models's `meta` (llama-server's): the vocabulary's type, n_vocab, the model's context and
+    width, its parameters and its tensors' bytes as the pinned llama.cpp counts them
+    (llama_model_n_params, llama_model_size), and the slot's context."""
+    from muse_mlx.tools.llamacpp import LlamaCpp
+
+    app, client, _ = in_process
+    (entry,) = client.get("/v1/models").json()["data"]
+    meta = entry["meta"]
+    with LlamaCpp(f32_fixture, n_ctx=64) as llama:
+        L, model = llama.L, llama.model
+        want = {"vocab_type": L.llama_vocab_type(llama.vocab), "n_vocab": llama.n_vocab,
+                "n_ctx_train": L.llama_model_n_ctx_train(model), "n_embd": L.llama_model_n_embd(model),
+                "n_params": L.llama_model_n_params(model), "size": L.llama_model_size(model)}
+    assert {k: meta[k] for k in want} == want and meta["n_ctx"] == 64
+
+
 def test_ctx_size_0_is_the_model_s_limit(f32_fixture):
     """--ctx-size 0 (llama-server's "from the model") gives each slot the model's context_length."""
     import types
