@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="XTC: the chance a pick drops the likely tokens but the least likely of them (llama.cpp's; 0: off)")
     p.add_argument("--xtc-threshold", type=float, default=0.1,
                    help="XTC: the probability from which a token is likely (llama.cpp's; over 0.5: off)")
+    p.add_argument("--dynatemp-range", type=float, default=0.0,
+                   help="dynamic temperature: --temp -/+ this by the candidates' entropy (llama.cpp's; 0: off)")
+    p.add_argument("--dynatemp-exp", type=float, default=1.0, help="dynamic temperature's exponent (llama.cpp's)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--repeat-penalty", type=float, default=1.0,
                    help="divide a recent token's logit by this (multiply where <= 0), as llama.cpp (1: off)")
@@ -284,6 +287,7 @@ def run(argv: list[str] | None = None) -> int:
     settings = SamplerSettings(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                typical_p=args.typical, top_n_sigma=args.top_n_sigma,
                                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                               dynatemp_range=args.dynatemp_range, dynatemp_exponent=args.dynatemp_exp,
                                seed=args.seed, repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                logit_bias=tuple(_logit_bias(b) for b in args.logit_bias))

@@ -32,6 +32,10 @@ class SamplerSettings:
     # the least likely of them (when two or more are); 0, or a threshold over 0.5: off
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    # llama.cpp's dynamic temperature: temp -/+ dynatemp_range, by the candidates' entropy over its
+    # largest (normalized, to the power dynatemp_exponent); 0: off
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
     seed: int = 0
     # llama.cpp's penalties sampler (llama_sampler_penalties_apply): a token among the last
     # repeat_last_n has its logit divided by repeat_penalty (multiplied where <= 0), then count *
@@ -65,6 +69,10 @@ class SamplerSettings:
             p.append(f"--xtc-probability must be in [0, 1], got {self.xtc_probability}")
         if not 0 <= self.xtc_threshold <= 1:
             p.append(f"--xtc-threshold must be in [0, 1], got {self.xtc_threshold}")
+        if not (self.dynatemp_range >= 0 and math.isfinite(self.dynatemp_range)):
+            p.append(f"--dynatemp-range must be a finite number >= 0, got {self.dynatemp_range}")
+        if not (self.dynatemp_exponent >= 0 and math.isfinite(self.dynatemp_exponent)):
+            p.append(f"--dynatemp-exp must be a finite number >= 0, got {self.dynatemp_exponent}")
         if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
             p.append(f"--repeat-penalty must be a finite number > 0, got {self.repeat_penalty}")
         if self.repeat_last_n < 0:
@@ -160,8 +168,15 @@ class Sampler:
         drop, in llama.cpp's order and by its rules (llama-sampler.cpp). logits: (V,) float32;
         xtc_draw: XTC's uniform draw in [0, 1) (it applies where the draw <= xtc_probability; None:
         it applies)."""
+        return self._filter(logits, xtc_draw)[0]
+
+    def _filter(self, logits: mx.array, xtc_draw: mx.array | None = None) -> tuple[mx.array, mx.array | int]:
+        """filter's logits, and how many candidates llama.cpp's list would then hold: top-k, typical-p,
+        top-p, min-p and XTC take tokens out of it, a bias's ban or top-n-sigma leave them in at minus
+        infinity (the size dynamic temperature's largest entropy is of)."""
         s = self.settings
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
+        size = logits.shape[-1]
         if s.top_n_sigma > 0:   # keep logits within n standard deviations (of the finite ones) of the best
             valid = logits > neg_inf
             count = mx.sum(valid)
@@ -171,6 +186,7 @@ class Sampler:
         if 0 < s.top_k < logits.shape[-1]:
             kth = mx.sort(logits)[-s.top_k]
             logits = mx.where(logits >= kth, logits, neg_inf)
+            size = s.top_k
         if s.typical_p < 1.0:   # the tokens whose surprise is nearest the entropy, up to mass typical_p
             probs = mx.softmax(logits, precise=True)
             logp = mx.log(probs)
@@ -180,6 +196,7 @@ class Sampler:
             ranked = probs[order]
             n_keep = mx.maximum(mx.sum(mx.cumsum(ranked) - ranked <= s.typical_p), 1)   # through the one passing it
             logits = mx.where(shifted <= shifted[order[n_keep - 1]], logits, neg_inf)
+            size = n_keep
         if s.top_p < 1.0:
             ordered = mx.sort(logits)[::-1]
             probs = mx.softmax(ordered, precise=True)
@@ -187,8 +204,10 @@ class Sampler:
             n_keep = mx.sum(before < s.top_p)          # >= 1: the first token is always kept
             threshold = ordered[n_keep - 1]
             logits = mx.where(logits >= threshold, logits, neg_inf)
+            size = mx.minimum(n_keep, size)
         if s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
-            logits = mx.where(logits >= logits.max() + float(np.log(np.float32(s.min_p))), logits, neg_inf)
+            kept = logits >= logits.max() + float(np.log(np.float32(s.min_p)))
+            logits, size = mx.where(kept, logits, neg_inf), mx.sum(kept)
         if self.xtc:   # the likely tokens but the least likely of them out, when two or more are likely
             probs = mx.softmax(logits, precise=True)
             likely = probs >= s.xtc_threshold
@@ -196,8 +215,25 @@ class Sampler:
             cut = likely & (probs > least) & (mx.sum(likely) >= 2)
             if xtc_draw is not None:
                 cut = cut & (xtc_draw <= s.xtc_probability)
-            logits = mx.where(cut, neg_inf, logits)
-        return logits
+            logits, size = mx.where(cut, neg_inf, logits), size - mx.sum(cut)
+        return logits, size
+
+    def temperature(self, logits: mx.array, size) -> mx.array:
+        """The filtered logits scaled by the temperature: llama.cpp's temp_ext. With a dynamic range the
+        temperature is lo + (hi - lo) (H / log size)^exponent, lo = max(0, temp - range), hi = temp +
+        range, H the candidates' entropy and size how many they are (llama.cpp's list: _filter); none
+        when one candidate is left; at 0 only the best token stays."""
+        s = self.settings
+        if s.dynatemp_range <= 0:
+            return logits / s.temp
+        lo, hi = max(0.0, s.temp - s.dynatemp_range), s.temp + s.dynatemp_range
+        probs = mx.softmax(logits, precise=True)
+        entropy = -mx.sum(mx.where(probs > 0, probs * mx.log(mx.where(probs > 0, probs, 1.0)), 0.0))
+        size = mx.array(size, dtype=mx.float32)
+        temp = lo + (hi - lo) * mx.power(entropy / mx.log(size), s.dynatemp_exponent)
+        best = mx.arange(logits.shape[-1]) == mx.argmax(logits)
+        scaled = mx.where(temp > 0, logits / temp, mx.where(best, logits, -mx.inf))
+        return mx.where(size <= 1, logits, scaled)
 
     def token(self, logits: mx.array) -> mx.array:
         """The sampled token as a lazy 0-d array: nothing waits for the logits, so the next
@@ -214,7 +250,7 @@ class Sampler:
             if self.xtc:   # XTC's draw, from a split of its own
                 self._key, xtc_key = mx.random.split(self._key)
                 draw = mx.random.uniform(key=xtc_key)
-            logits = self.filter(logits, draw) / self.settings.temp
+            logits = self.temperature(*self._filter(logits, draw))
             self._key, sub = mx.random.split(self._key)
             token = mx.random.categorical(logits, key=sub)
         self._accept(token)

@@ -125,7 +125,8 @@ VOCAB_TYPES = {"no_vocab": 0, "llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv":
 SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
                   ("--min-p", "min_p", float), ("--typical", "typical_p", float),
                   ("--top-n-sigma", "top_n_sigma", float), ("--xtc-probability", "xtc_probability", float),
-                  ("--xtc-threshold", "xtc_threshold", float), ("--seed", "seed", int), ("--repeat-penalty", "repeat_penalty", float),
+                  ("--xtc-threshold", "xtc_threshold", float), ("--dynatemp-range", "dynatemp_range", float),
+                  ("--dynatemp-exp", "dynatemp_exponent", float), ("--seed", "seed", int), ("--repeat-penalty", "repeat_penalty", float),
                   ("--repeat-last-n", "repeat_last_n", int), ("--presence-penalty", "presence_penalty", float),
                   ("--frequency-penalty", "frequency_penalty", float))
 
@@ -146,6 +147,8 @@ def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
                            top_n_sigma=_number(body, "top_n_sigma", -1.0),
                            xtc_probability=_number(body, "xtc_probability", 0.0, 0.0, 1.0),
                            xtc_threshold=_number(body, "xtc_threshold", 0.1, 0.0, 1.0),
+                           dynatemp_range=_number(body, "dynatemp_range", 0.0, 0.0, 100.0),
+                           dynatemp_exponent=_number(body, "dynatemp_exponent", 1.0, 0.0, 100.0),
                            seed=_integer(body, "seed", 0),
                            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -231,7 +234,7 @@ def generation_settings(req: Request, stream: bool) -> dict:
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
     # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
-    "mirostat": (0,), "dynatemp_range": (0.0, 0), "dry_multiplier": (0.0, 0), "post_sampling_probs": (False,),
+    "mirostat": (0,), "dry_multiplier": (0.0, 0), "post_sampling_probs": (False,),
     # llama-server's chat rendering option: an assistant message continued
     "continue_final_message": (False,),
 }

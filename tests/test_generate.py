@@ -192,6 +192,7 @@ def test_a_chat_template_file_that_is_a_fifo_is_refused_without_waiting(f32_fixt
     (["--typical", "2"], "--typical must be in [0, 1], got 2.0"),
     (["--top-n-sigma", "nan"], "--top-n-sigma must be finite"),
     (["--xtc-probability", "2"], "--xtc-probability must be in [0, 1]"),
+    (["--dynatemp-range", "-1"], "--dynatemp-range must be a finite number >= 0"),
     (["--repeat-last-n", "-1"], "--repeat-last-n must be >= 0"),
     (["--presence-penalty", "nan"], "--presence-penalty must be finite"),
     (["--logit-bias", "15+"], "--logit-bias: expected TOKEN_ID(+/-)BIAS"),

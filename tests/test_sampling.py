@@ -169,6 +169,45 @@ def test_filters_keep_what_llama_cpp_s_keep(name):
             L.llama_sampler_free(smpl)
 
 
+DYNATEMP = {
+    "alone": SamplerSettings(temp=0.9, dynatemp_range=0.6),
+    "exponent": SamplerSettings(temp=1.2, dynatemp_range=0.5, dynatemp_exponent=2.0),
+    "floor": SamplerSettings(temp=0.3, dynatemp_range=0.5, dynatemp_exponent=0.5),   # lo = 0
+    "after-k-min-xtc": SamplerSettings(temp=1.0, dynatemp_range=0.8, top_k=25, min_p=0.02, xtc_probability=1.0,
+                                       xtc_threshold=0.15),
+    "after-sigma": SamplerSettings(temp=1.0, dynatemp_range=0.8, top_n_sigma=1.0),   # its cut stays in the list
+    "one-left": SamplerSettings(temp=0.7, dynatemp_range=0.5, top_k=1),
+}
+
+
+@pytest.mark.parametrize("name", DYNATEMP)
+def test_dynamic_temperature_is_llama_cpp_s(name):
+    """llama.cpp's temp_ext (dynamic temperature) after its filters, over 30 random rows: the logits
+    left (the candidates', scaled) equal ours within float32 rounding of the entropy, and the
+    candidates are the same."""
+    settings, L, V = DYNATEMP[name], llama(), 300
+    rng = np.random.default_rng([13, len(name)])
+    samplers = llama_filters(L, settings) + [L.llama_sampler_init_temp_ext(settings.temp, settings.dynatemp_range,
+                                                                           settings.dynatemp_exponent)]
+    try:
+        for row in range(30):
+            logits = (rng.standard_normal(V) * rng.uniform(0.3, 5)).astype(np.float32)
+            logits[rng.integers(0, V, int(rng.integers(1, 4)))] += 5.0
+            data = (L.llama_token_data * V)(*[L.llama_token_data(i, float(v), 0.0) for i, v in enumerate(logits)])
+            arr = L.llama_token_data_array(data, V, -1, False)
+            for smpl in samplers:
+                L.llama_sampler_apply(smpl, ctypes.byref(arr))
+            want = {arr.data[i].id: arr.data[i].logit for i in range(arr.size) if arr.data[i].logit != -np.inf}
+            ours = Sampler(settings)
+            got = np.array(ours.temperature(*ours._filter(mx.array(logits))))
+            assert sorted(np.flatnonzero(np.isfinite(got)).tolist()) == sorted(want), row
+            ids = sorted(want)
+            assert np.allclose(got[ids], [want[i] for i in ids], rtol=1e-5, atol=1e-5), (row, got[ids][:4])
+    finally:
+        for smpl in samplers:
+            L.llama_sampler_free(smpl)
+
+
 def test_xtc_applies_at_its_probability():
     """XTC's draw: at probability 0.3 the likely tokens are dropped for about 30 % of 400 draws, never
     at probability 0 or at a threshold over 0.5; through token() at probability 1 the pick is never
@@ -231,6 +270,8 @@ def test_settings_that_change_nothing_leave_the_logits_alone():
     (SamplerSettings(top_n_sigma=float("nan")), "--top-n-sigma must be finite"),
     (SamplerSettings(xtc_probability=1.5), "--xtc-probability must be in [0, 1]"),
     (SamplerSettings(xtc_threshold=-0.1), "--xtc-threshold must be in [0, 1]"),
+    (SamplerSettings(dynatemp_range=-1.0), "--dynatemp-range must be a finite number >= 0"),
+    (SamplerSettings(dynatemp_exponent=float("inf")), "--dynatemp-exp must be a finite number >= 0"),
 ])
 def test_settings_refused(settings, says):
     assert any(says in p for p in settings.problems()), settings.problems()

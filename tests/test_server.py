@@ -414,7 +414,8 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"xtc_probability": 1.5}, "xtc_probability"), ({"top_n_sigma": "1"}, "top_n_sigma"),
     ({"xtc_threshold": -1}, "xtc_threshold"),
-    ({"dynatemp_range": 0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
+    ({"dynatemp_range": -0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
+    ({"dynatemp_exponent": "2"}, "dynatemp_exponent"),
     ({"continue_final_message": True}, "continue_final_message"),
 ])
 def test_llama_server_completion_bad_requests(server, body, param):
@@ -431,14 +432,16 @@ def test_llama_server_samplers_at_their_off_values_are_taken(server):
     assert r.status_code == 200 and r.json()["tokens_predicted"] <= 2, r.text
 
 
-def test_typical_p_top_n_sigma_and_xtc_equal_the_solo_run(client, solo):
-    """llama-server's typical_p, top_n_sigma and xtc fields (OpenAI's client sends them as extra body):
+def test_typical_p_top_n_sigma_xtc_and_dynatemp_equal_the_solo_run(client, solo):
+    """llama-server's typical_p, top_n_sigma, xtc and dynatemp fields (OpenAI's client sends them as extra body):
     the sampled text equals the CLI loop's with the same settings, and differs from the run without them."""
     ids = prompt_ids(17, 23)
     for extra, settings in [({"typical_p": 0.4}, SamplerSettings(temp=1.5, seed=9, typical_p=0.4)),
                             ({"top_n_sigma": 0.8}, SamplerSettings(temp=1.5, seed=9, top_n_sigma=0.8)),
                             ({"xtc_probability": 0.9, "xtc_threshold": 0.02},
-                             SamplerSettings(temp=1.5, seed=9, xtc_probability=0.9, xtc_threshold=0.02))]:
+                             SamplerSettings(temp=1.5, seed=9, xtc_probability=0.9, xtc_threshold=0.02)),
+                            ({"dynatemp_range": 1.4, "dynatemp_exponent": 3.0},
+                             SamplerSettings(temp=1.5, seed=9, dynatemp_range=1.4, dynatemp_exponent=3.0))]:
         r = client.completions.create(model="m", prompt=ids, max_tokens=12, temperature=1.5, seed=9, extra_body=extra)
         assert r.choices[0].text == solo(ids, 12, settings) != solo(ids, 12, SamplerSettings(temp=1.5, seed=9))
 
