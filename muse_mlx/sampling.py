@@ -176,7 +176,7 @@ class Sampler:
         infinity (the size dynamic temperature's largest entropy is of)."""
         s = self.settings
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
-        size = logits.shape[-1]
+        size, count = logits.shape[-1], s.dynatemp_range > 0   # (the count's nodes only where it is read)
         if s.top_n_sigma > 0:   # keep logits within n standard deviations (of the finite ones) of the best
             valid = logits > neg_inf
             count = mx.sum(valid)
@@ -196,7 +196,7 @@ class Sampler:
             ranked = probs[order]
             n_keep = mx.maximum(mx.sum(mx.cumsum(ranked) - ranked <= s.typical_p), 1)   # through the one passing it
             logits = mx.where(shifted <= shifted[order[n_keep - 1]], logits, neg_inf)
-            size = n_keep
+            size = n_keep if count else size
         if s.top_p < 1.0:
             ordered = mx.sort(logits)[::-1]
             probs = mx.softmax(ordered, precise=True)
@@ -204,10 +204,10 @@ class Sampler:
             n_keep = mx.sum(before < s.top_p)          # >= 1: the first token is always kept
             threshold = ordered[n_keep - 1]
             logits = mx.where(logits >= threshold, logits, neg_inf)
-            size = mx.minimum(n_keep, size)
+            size = mx.minimum(n_keep, size) if count else size
         if s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
             kept = logits >= logits.max() + float(np.log(np.float32(s.min_p)))
-            logits, size = mx.where(kept, logits, neg_inf), mx.sum(kept)
+            logits, size = mx.where(kept, logits, neg_inf), mx.sum(kept) if count else size
         if self.xtc:   # the likely tokens but the least likely of them out, when two or more are likely
             probs = mx.softmax(logits, precise=True)
             likely = probs >= s.xtc_threshold
@@ -215,7 +215,7 @@ class Sampler:
             cut = likely & (probs > least) & (mx.sum(likely) >= 2)
             if xtc_draw is not None:
                 cut = cut & (xtc_draw <= s.xtc_probability)
-            logits, size = mx.where(cut, neg_inf, logits), size - mx.sum(cut)
+            logits, size = mx.where(cut, neg_inf, logits), size - mx.sum(cut) if count else size
         return logits, size
 
     def temperature(self, logits: mx.array, size) -> mx.array:
