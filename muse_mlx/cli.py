@@ -84,6 +84,19 @@ def read_regular_file(path, limit: int) -> bytes:
         return f.read(limit + 1)
 
 
+def read_flag_file(flag: str, path, limit: int) -> bytes:
+    """The bytes of the file a flag names (read_regular_file), at most `limit`: MuseError, one line
+    naming the flag and the file, where it cannot be read or is larger."""
+    try:
+        data = read_regular_file(path, limit)
+    except OSError as exc:
+        raise MuseError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        size = f"{limit // 2**20} MiB" if limit % 2**20 == 0 else f"{limit // 1024} KiB"
+        raise MuseError(f"{flag} {path}: more than {size}")
+    return data
+
+
 def ints(text: str, flag: str) -> list[int]:
     """A comma-separated list of integers, as flags like --depths take them."""
     try:

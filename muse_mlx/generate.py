@@ -205,13 +205,7 @@ PROMPT_FILE_MAX_BYTES = 64 * 2**20
 
 def _prompt_file(path: str) -> bytes:
     """--file's bytes (a regular file of at most PROMPT_FILE_MAX_BYTES), read before the weights load."""
-    try:
-        data = cli.read_regular_file(path, PROMPT_FILE_MAX_BYTES)
-    except OSError as exc:
-        raise MuseError(f"--file {path}: {exc.strerror or exc}") from None
-    if len(data) > PROMPT_FILE_MAX_BYTES:
-        raise MuseError(f"--file {path}: more than {PROMPT_FILE_MAX_BYTES // 2**20} MiB")
-    return data
+    return cli.read_flag_file("--file", path, PROMPT_FILE_MAX_BYTES)
 
 
 def _read_prompt(arg: str, data: bytes | None = None) -> str:
@@ -269,12 +263,7 @@ def _grammar_text(args) -> tuple[str, str, str] | None:
             continue
         if not is_file:
             return kind, value, flag
-        try:
-            data = cli.read_regular_file(value, MAX_GRAMMAR_BYTES)
-        except OSError as exc:
-            raise MuseError(f"{flag} {value}: {exc.strerror or exc}") from None
-        if len(data) > MAX_GRAMMAR_BYTES:
-            raise MuseError(f"{flag} {value}: more than {MAX_GRAMMAR_BYTES // 1024} KiB")
+        data = cli.read_flag_file(flag, value, MAX_GRAMMAR_BYTES)
         try:
             return kind, data.decode("utf-8"), flag
         except UnicodeDecodeError as exc:

@@ -1458,13 +1458,9 @@ def api_keys(listed: str | None, path: str | None) -> tuple[str, ...]:
     if listed is not None:
         keys += [k for row in csv.reader([listed]) for k in row if k]
     if path is not None:
+        data = cli.read_flag_file("--api-key-file", path, KEY_FILE_MAX_BYTES)
         try:
-            data = cli.read_regular_file(path, KEY_FILE_MAX_BYTES)
-            if len(data) > KEY_FILE_MAX_BYTES:
-                raise MuseError(f"--api-key-file {path}: more than {KEY_FILE_MAX_BYTES // 1024} KiB")
             text = data.decode("utf-8")
-        except OSError as exc:
-            raise MuseError(f"--api-key-file {path}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
             raise MuseError(f"--api-key-file {path}: not UTF-8 (byte {exc.start})") from None
         keys += [line for line in text.splitlines() if line and not line.startswith("#")]
