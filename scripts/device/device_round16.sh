@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 16's round (ledger, 2026-12-05 "the device round, not run a third time"), by MODE:
+#   lean   call 2 (carry .device/part2, .device/revision; call 1 ran `stash.sh` and
+#          build_llama_bg.sh): MLX unpacked, the bench GGUF, the GPU checks of the batched step
+#          against each sequence alone and of mma_q4k_prefetch, then the packed step at B = 1..4
+#          (depth 512) with the default and with mma_q4k_prefetch=1, interleaved twice. The
+#          llama.cpp build runs beside this call: its packed-step figures compare the two arms only.
+#   final  call 3 (carry .device/revision): with the build done, the engine loop (SCHED slots) and
+#          the packed step, in turn: the default; llama-batched-bench; mma_q4k_prefetch=1; the
+#          default under MLX_MAX_MB_PER_BUFFER=100000; the default with --sched-constraint lazy,
+#          then text; the default again (STEPS names them: "default-1 llama pf1-1 mb-1 lazy-1
+#          text-1 default-2"; a later call may take the rest).
+# STOP_AFTER (seconds from the call's start): no step starts after it, and each step's timeout is
+# cut to what is left. Writes to $OUT: nvidia-smi.txt, make-gguf.log, gpu-tests.log,
+# verification.json, packed-TAG-PASS.json / .log (lean), sched-TAG.json / .log,
+# llama-batched-bench.jsonl / .err (final).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+T0=$(date +%s) STOP_AFTER=${STOP_AFTER:-420}
+if [ -f ~/.muse-device/env.sh ] && [ -d ~/mlxsite/mlx ]; then source ~/.muse-device/env.sh; else source .device/part2/env.sh || exit 1; fi
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONPATH="$PWD:${PYTHONPATH:-}" MUSE_GIT_REVISION="$(cat .device/revision)"
+G=/tmp/bench.gguf SLOTS=${SLOTS:-1,2,3,4} SCHED=${SCHED:-1,4}
+left() { echo $(( STOP_AFTER - ($(date +%s) - T0) )); }
+limit() {  # SECONDS: the smaller of SECONDS and what is left; fails when nothing is left
+  local l; l=$(left); [ "$l" -gt 10 ] || { echo "STOP_AFTER reached: $(( $(date +%s) - T0 )) s" >&2; return 1; }
+  echo $(( $1 < l ? $1 : l ))
+}
+packed() {  # TAG KERNEL_CONFIG [ENV=VALUE ...]: the packed step's cells alone
+  local tag=$1 cfg=$2 t; shift 2; t=$(limit 150) || return 1
+  env "$@" timeout "$t" python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm '' \
+    --batch "$SLOTS" --depth 512 --kernel-config "$cfg" --receipt "$OUT/packed-$tag.json" > "$OUT/packed-$tag.log" 2>&1
+  echo "[packed $tag] rc $? at $(( $(date +%s) - T0 )) s"; grep -E "^batch|rror" "$OUT/packed-$tag.log" | cut -c1-200
+}
+sched() {  # TAG KERNEL_CONFIG CONSTRAINT [ENV=VALUE ...]: the engine loop and the packed step
+  local tag=$1 cfg=$2 constraint=$3 t; shift 3; t=$(limit 200) || return 1
+  env "$@" timeout "$t" python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm '' \
+    --batch "$SLOTS" --depth 512 --scheduler "$SCHED" --sched-reps 2 --sched-constraint "$constraint" \
+    --kernel-config "$cfg" --receipt "$OUT/sched-$tag.json" > "$OUT/sched-$tag.log" 2>&1
+  echo "[sched $tag] rc $? at $(( $(date +%s) - T0 )) s"; grep -E "^batch|^engine|rror" "$OUT/sched-$tag.log" | cut -c1-200
+}
+case "${1:-}" in
+lean)
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
+  [ -f $G ] || python3 scripts/make_bench_gguf.py $G > "$OUT/make-gguf.log" 2>&1
+  echo "bench GGUF at $(( $(date +%s) - T0 )) s"
+  t=$(limit 120) && MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "$t" python3 -m pytest tests/gpu \
+    -k "batched_decode_equals_each_sequence_alone or q4k_prefetch" -q -p no:cacheprovider -rf --tb=line \
+    > "$OUT/gpu-tests.log" 2>&1
+  tail -4 "$OUT/gpu-tests.log"; echo "checks at $(( $(date +%s) - T0 )) s"
+  for pass in 1 2; do
+    packed "default-$pass" "" || break
+    packed "pf1-$pass" "mma_q4k_prefetch=1" || break
+  done
+  ;;
+final)
+  [ -f $G ] || { echo "no $G: run the lean call first"; exit 1; }
+  for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] || [ ! -d /tmp/llama ] && break; sleep 5; done
+  echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null) at $(( $(date +%s) - T0 )) s"
+  for step in ${STEPS:-default-1 llama pf1-1 mb-1 lazy-1 text-1 default-2}; do
+    case $step in
+    llama)
+      B=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
+      [ -x $B ] || { echo "no $B"; continue; }
+      t=$(limit 120) || break
+      timeout "$t" $B -m $G -ngl 99 -fa on -c 4096 -b 2048 -ub 512 -npp 512 -ntg 128 -npl "$SLOTS" \
+        --output-format jsonl > "$OUT/llama-batched-bench.jsonl" 2> "$OUT/llama-batched-bench.err"
+      tail -4 "$OUT/llama-batched-bench.jsonl" | cut -c1-300 ;;
+    default-*) sched $step "" none || break ;;
+    pf1-*) sched $step "mma_q4k_prefetch=1" none || break ;;
+    mb-*) sched $step "" none MLX_MAX_MB_PER_BUFFER=100000 || break ;;
+    lazy-*) sched $step "" lazy || break ;;
+    text-*) sched $step "" text || break ;;
+    *) echo "unknown step $step" ;;
+    esac
+  done
+  ;;
+*) echo "usage: device_round16.sh lean|final" >&2; exit 2 ;;
+esac
+bash scripts/device/pack_out.sh
