@@ -23,7 +23,7 @@ from .cli import Parser
 from .config import KernelConfig
 from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
-from .sampling import Sampler, SamplerSettings, all_finite
+from .sampling import Sampler, SamplerSettings, all_finite, breakers_of_flags
 
 DEFAULT_PROMPT = "A list is"
 
@@ -52,16 +52,17 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
     every token fed back, which includes a stop token read while its step was under way (any
     but the first), but not the last token when max_tokens or the context ends the run.
 
-    With a grammar (the sampler's constraint) a token's pick is built once the token before it is
-    read (its mask follows the text so far), and submitted alone ahead of the step fed from it;
-    the run also ends where the grammar takes nothing more."""
+    With a grammar (the sampler's constraint) or DRY (the sampler is paced) a token's pick is built
+    once the token before it is read (the mask and the penalty follow the tokens so far), and
+    submitted alone ahead of the step fed from it; the run also ends where the grammar takes
+    nothing more."""
     position = cache.offset - 1
-    constrained = sampler.constraint is not None
+    paced, constrained = sampler.paced, sampler.constraint is not None
     token, finite = sampler.token(logits), all_finite(logits)
 
     def submit(token: mx.array):
         step_logits = model.step(token, cache)
-        if constrained:   # the pick waits for `token`'s read: the grammar's mask follows the text
+        if paced:   # the pick waits for `token`'s read: the grammar's mask and DRY follow the tokens
             finite = all_finite(step_logits)
             mx.async_eval(step_logits, finite)
             return (lambda: sampler.token(step_logits)), finite
@@ -69,7 +70,7 @@ def decode_tokens(model, cache: SlotCache, logits: mx.array, sampler: Sampler, m
         mx.async_eval(*following)
         return following
     for i in range(max_tokens):
-        if callable(token):   # a constrained pick, made once the token before it was read
+        if callable(token):   # a paced pick, made once the token before it was read
             token = token()
             mx.async_eval(token)   # alone, ahead of the step fed from it
         more = i + 1 < max_tokens and cache.room > 0
@@ -153,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="take this off a recent token's logit (0: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="take this times its count off a recent token's logit (0: off)")
+    p.add_argument("--dry-multiplier", type=float, default=0.0,
+                   help="DRY: a token extending a repeat loses this * base^(length - allowed length) (llama.cpp's; 0: off)")
+    p.add_argument("--dry-base", type=float, default=1.75,
+                   help="DRY's base (llama.cpp's; default 1.75; a value under 1 keeps the default)")
+    p.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long go unpenalized (default 2)")
+    p.add_argument("--dry-penalty-last-n", type=int, default=64,
+                   help="DRY: the last tokens of prompt and output it looks back over (0: off; default 64)")
+    p.add_argument("--dry-sequence-breaker", action="append", metavar="TEXT",
+                   help="DRY: a text no repeat reaches back past; repeatable, replacing the defaults (newline, ':', "
+                        "'\"', '*'); 'none': no breakers (llama.cpp's)")
+    p.add_argument("--mirostat", type=int, default=0, choices=(0, 1, 2),
+                   help="Mirostat 1 or 2 in place of the penalties, DRY and the filters (llama.cpp's; 0: off)")
+    p.add_argument("--mirostat-lr", type=float, default=0.1, help="Mirostat's learning rate eta (default 0.1)")
+    p.add_argument("--mirostat-ent", type=float, default=5.0, help="Mirostat's target surprise tau (default 5.0)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
                    help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
     p.add_argument("--ignore-eos", action="store_true",
@@ -279,7 +294,11 @@ def run(argv: list[str] | None = None) -> int:
                                dynatemp_range=args.dynatemp_range, dynatemp_exponent=args.dynatemp_exp,
                                seed=args.seed, repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                               logit_bias=tuple(_logit_bias(b) for b in args.logit_bias))
+                               logit_bias=tuple(_logit_bias(b) for b in args.logit_bias),
+                               dry_multiplier=args.dry_multiplier, dry_base=args.dry_base if args.dry_base >= 1 else 1.75,
+                               dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
+                               dry_sequence_breakers=breakers_of_flags(args.dry_sequence_breaker),
+                               mirostat=args.mirostat, mirostat_tau=args.mirostat_ent, mirostat_eta=args.mirostat_lr)
     problems = settings.problems()
     if args.max_tokens < 0:
         problems.append(f"--max-tokens must be >= 0, got {args.max_tokens}")
@@ -355,7 +374,8 @@ def run(argv: list[str] | None = None) -> int:
             from . import chat_format
             grammar = ("lark", chat_format.answer_grammar(grammar[1], grammars.special_id), grammar[2])
         constraint = grammars.compile(*grammar)
-    sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids, constraint)
+    sampler = Sampler(settings, prompt_ids, tokenizer.vocab.suppress_ids, constraint,
+                      tokenizer.dry_breakers(settings.dry_sequence_breakers) if settings.dry else None)
     stats = Stats(load_seconds=time.perf_counter() - t_load, load_parts=load_parts, prompt_tokens=len(prompt_ids))
     out = sys.stdout
     start = time.perf_counter()

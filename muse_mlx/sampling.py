@@ -1,14 +1,16 @@
 """Logits -> token: greedy, or temperature sampling after top-n-sigma / top-k / typical-p / top-p /
-min-p / XTC filters.
+min-p / XTC filters, or Mirostat.
 
 The order follows llama.cpp's default sampler chain (common/sampling.cpp): the logit bias,
 then the penalties (repeat, frequency, presence over the last `repeat_last_n` tokens of the
-prompt and the output, as llama-server accepts the prompt's tokens into its sampler), then
-top-n-sigma, top-k, typical-p, top-p, min-p, XTC, then temperature, then a draw: the filters see the
-model's distribution as biased and penalized, and the temperature only reshapes what survives
-them. Each filter is llama-sampler.cpp's (tests/test_sampling.py runs them side by side). `temp == 0`
-is greedy (argmax of the biased, penalized logits). The sampler accepts its own picks
-lazily, on the device, so a decode loop can build the next step before reading a token.
+prompt and the output, as llama-server accepts the prompt's tokens into its sampler), then DRY
+(dry.py, on the host), then top-n-sigma, top-k, typical-p, top-p, min-p, XTC, then temperature,
+then a draw: the filters see the model's distribution as biased and penalized, and the temperature
+only reshapes what survives them. With Mirostat the chain is llama.cpp's for it: the bias, the
+temperature, Mirostat (mirostat.py). Each sampler is llama-sampler.cpp's (tests/test_sampling.py,
+tests/test_dry.py and tests/test_mirostat.py run them side by side). `temp == 0` is greedy (argmax
+of the biased, penalized logits). The sampler accepts its own picks lazily, on the device, so a
+decode loop can build the next step before reading a token (DRY and a grammar excepted: `paced`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from .dry import Dry
+from .mirostat import Mirostat
 
 
 @dataclass(frozen=True)
@@ -45,11 +50,29 @@ class SamplerSettings:
     presence_penalty: float = 0.0   # 0: off
     frequency_penalty: float = 0.0  # 0: off
     logit_bias: tuple = ()          # ((token id, bias), ...), added to the logits first
+    # llama.cpp's DRY (dry.py): a token extending a repeat of >= dry_allowed_length tokens among the
+    # last dry_penalty_last_n loses dry_multiplier * dry_base^(length - dry_allowed_length); a repeat
+    # does not reach back past a sequence breaker. 0 (multiplier or last_n), or a base under 1: off
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple = ("\n", ":", "\"", "*")
+    # llama.cpp's Mirostat (mirostat.py): 1 or 2 replaces the penalties, DRY and the filters with a pick
+    # held at surprise mirostat_tau, learning at rate mirostat_eta; 0: off
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     @property
     def penalized(self) -> bool:
-        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+        return self.mirostat == 0 and self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                                             or self.frequency_penalty != 0.0)
+
+    @property
+    def dry(self) -> bool:
+        return (self.mirostat == 0 and self.dry_multiplier != 0.0 and self.dry_base >= 1.0
+                and self.dry_penalty_last_n != 0)
 
     def problems(self) -> list[str]:
         p = []
@@ -80,23 +103,55 @@ class SamplerSettings:
         for name, v in (("presence", self.presence_penalty), ("frequency", self.frequency_penalty)):
             if not math.isfinite(v):
                 p.append(f"--{name}-penalty must be finite, got {v}")
+        if not math.isfinite(self.dry_multiplier):
+            p.append(f"--dry-multiplier must be finite, got {self.dry_multiplier}")
+        if not math.isfinite(self.dry_base):
+            p.append(f"--dry-base must be finite, got {self.dry_base}")
+        if self.dry_allowed_length < 0:
+            p.append(f"--dry-allowed-length must be >= 0, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < 0:
+            p.append(f"--dry-penalty-last-n must be >= 0, got {self.dry_penalty_last_n}")
+        if self.mirostat not in (0, 1, 2):
+            p.append(f"--mirostat must be 0, 1 or 2, got {self.mirostat}")
+        for name, v in (("--mirostat-ent", self.mirostat_tau), ("--mirostat-lr", self.mirostat_eta)):
+            if not math.isfinite(v):
+                p.append(f"{name} must be finite, got {v}")
+        if not all(isinstance(b, str) and b for b in self.dry_sequence_breakers):
+            p.append("--dry-sequence-breaker: each breaker must be a non-empty text")
         for token, bias in self.logit_bias:
             if token < 0 or math.isnan(bias) or bias == math.inf:
                 p.append(f"--logit-bias: token {token} bias {bias}: a token id >= 0 and a bias < +inf (not NaN)")
         return p
 
 
+def breakers_of_flags(flags: list[str] | None) -> tuple[str, ...]:
+    """--dry-sequence-breaker's texts as llama.cpp takes them: the defaults when none is given, else
+    the texts given ('none' clearing those before it)."""
+    if flags is None:
+        return SamplerSettings.dry_sequence_breakers
+    out: list[str] = []
+    for text in flags:
+        out = [] if text == "none" else out + [text]
+    return tuple(out)
+
+
 class Sampler:
-    def __init__(self, settings: SamplerSettings, history=(), suppress=(), constraint=None):
+    def __init__(self, settings: SamplerSettings, history=(), suppress=(), constraint=None, breakers=None):
         """history: the prompt's token ids, which the penalties look back over as over the output;
         suppress: the model's tokens never to pick (its GGUF's suppress list: llama.cpp's common
         sampler adds them to the logit bias as minus infinity); constraint: a grammar the output
-        follows (grammar.Constraint): each pick is made among the tokens it allows, so a loop must
-        `read` each token before it builds the next pick (the mask follows the text so far)."""
+        follows (grammar.Constraint): each pick is made among the tokens it allows; breakers: DRY's
+        sequence breakers as tokens (MuseTokenizer.dry_breakers; None: none). With a grammar or DRY
+        the sampler is `paced`: a loop must `read` each token before it builds the next pick (the
+        mask and the DRY penalty follow the tokens so far)."""
         problems = settings.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.settings = settings
+        self._dry = (Dry(settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length,
+                         settings.dry_penalty_last_n, breakers or {}, history) if settings.dry else None)
+        self._mirostat = (Mirostat(settings.mirostat, settings.mirostat_tau, settings.mirostat_eta)
+                          if settings.mirostat else None)
         self._key = mx.random.key(settings.seed % 2**64)   # any integer: taken modulo 2^64
         self._n = len(history) if settings.penalized else 0   # tokens accepted: the prompt's, then every pick
         self._window = np.asarray(history[-settings.repeat_last_n:] if self._n else [], dtype=np.int64)
@@ -127,10 +182,24 @@ class Sampler:
         self._window = None
         self._started = True
 
+    @property
+    def paced(self) -> bool:
+        """Whether a pick needs the token before it read on the host (a grammar, DRY)."""
+        return self.constraint is not None or self._dry is not None
+
     def process(self, logits: mx.array) -> mx.array:
-        """The logit bias, then the penalties (llama.cpp's order and arithmetic), lazily. (V,) float32."""
+        """The logit bias, then the penalties, then DRY (llama.cpp's order and arithmetic), lazily.
+        (V,) float32."""
         if not self._started:
             self._start(logits.shape[-1])
+        if self._dry is not None:
+            dry = self._dry.penalties()
+            if dry is not None:
+                ids, values = dry
+                return self._penalize(logits).at[mx.array(ids)].add(mx.array(-values))
+        return self._penalize(logits)
+
+    def _penalize(self, logits: mx.array) -> mx.array:
         if self._bias is None and self._counts is None:
             return logits
         s = self.settings
@@ -243,7 +312,15 @@ class Sampler:
             allowed = self.constraint.allowed(logits.shape[-1])   # None: a lazy grammar not yet triggered
             if allowed is not None:
                 logits = mx.where(allowed, logits, -mx.inf)
-        if self.settings.temp == 0:
+        if self._mirostat is not None:   # llama.cpp's chain: the bias, the temperature, Mirostat
+            if self.settings.temp <= 0:   # only the best token left
+                kept = mx.where(mx.arange(logits.shape[-1]) == mx.argmax(logits), logits, -mx.inf)
+            else:
+                kept = self._mirostat.candidates(logits / self.settings.temp)
+            self._key, sub = mx.random.split(self._key)
+            token = mx.random.categorical(kept, key=sub)
+            self._mirostat.accept(kept, token)
+        elif self.settings.temp == 0:
             token = mx.argmax(logits)
         else:
             draw = None
@@ -262,7 +339,9 @@ class Sampler:
         return token
 
     def read(self, token: int) -> None:
-        """The token picked, as read on the host: the grammar, if any, takes it."""
+        """The token picked, as read on the host: the grammar and DRY, if any, take it."""
+        if self._dry is not None:
+            self._dry.read(token)
         if self.constraint is not None:
             self.constraint.read(token)
 

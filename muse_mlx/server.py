@@ -31,7 +31,7 @@ from .cli import Parser
 from .config import KernelConfig
 from .errors import MuseError
 from .grammar import GrammarError, Grammars, schema_text
-from .sampling import SamplerSettings
+from .sampling import SamplerSettings, breakers_of_flags
 from .slots import QueueFull, Request, Scheduler
 
 MAX_STOP_STRINGS, MAX_TOP_LOGPROBS = 16, 20
@@ -128,7 +128,11 @@ SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), (
                   ("--xtc-threshold", "xtc_threshold", float), ("--dynatemp-range", "dynatemp_range", float),
                   ("--dynatemp-exp", "dynatemp_exponent", float), ("--seed", "seed", int), ("--repeat-penalty", "repeat_penalty", float),
                   ("--repeat-last-n", "repeat_last_n", int), ("--presence-penalty", "presence_penalty", float),
-                  ("--frequency-penalty", "frequency_penalty", float))
+                  ("--frequency-penalty", "frequency_penalty", float), ("--dry-multiplier", "dry_multiplier", float),
+                  ("--dry-base", "dry_base", float), ("--dry-allowed-length", "dry_allowed_length", int),
+                  ("--dry-penalty-last-n", "dry_penalty_last_n", int), ("--mirostat", "mirostat", int),
+                  ("--mirostat-lr", "mirostat_eta", float), ("--mirostat-ent", "mirostat_tau", float))
+MAX_DRY_BREAKERS = 16   # texts of one request's dry_sequence_breakers (each new one: a pass over the vocabulary, ~0.15 s)
 
 
 def with_defaults(body: dict, defaults: dict) -> dict:
@@ -139,6 +143,7 @@ def with_defaults(body: dict, defaults: dict) -> dict:
 
 
 def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
+    dry_base = _number(body, "dry_base", 1.75, hi=1e6)
     return SamplerSettings(temp=_number(body, "temperature", 1.0, 0.0, 100.0),
                            top_k=_integer(body, "top_k", 0, 0, 1 << 30),
                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -154,7 +159,29 @@ def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
                            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                            repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, 100.0, lo_open=True),
                            repeat_last_n=_integer(body, "repeat_last_n", 64, 0, 1 << 20),
-                           logit_bias=logit_bias_of(body, n_vocab))
+                           logit_bias=logit_bias_of(body, n_vocab),
+                           dry_multiplier=_number(body, "dry_multiplier", 0.0, -1e6, 1e6),
+                           dry_base=dry_base if dry_base >= 1.0 else 1.75,   # under 1: the default, as llama-server's
+                           dry_allowed_length=_integer(body, "dry_allowed_length", 2, 0, (1 << 31) - 1),
+                           dry_penalty_last_n=_integer(body, "dry_penalty_last_n", 64, 0, (1 << 31) - 1),
+                           dry_sequence_breakers=dry_breakers_of(body),
+                           mirostat=_integer(body, "mirostat", 0, 0, 2),
+                           mirostat_tau=_number(body, "mirostat_tau", 5.0, -1e6, 1e6),
+                           mirostat_eta=_number(body, "mirostat_eta", 0.1, -1e6, 1e6))
+
+
+def dry_breakers_of(body: dict) -> tuple[str, ...]:
+    """llama-server's dry_sequence_breakers: a non-empty list of non-empty texts (absent: the defaults)."""
+    v = body.get("dry_sequence_breakers")
+    if v is None:
+        return SamplerSettings.dry_sequence_breakers
+    if isinstance(v, tuple):   # the server's own --dry-sequence-breaker (none, with 'none')
+        return v
+    if (not isinstance(v, list) or not 0 < len(v) <= MAX_DRY_BREAKERS
+            or not all(isinstance(b, str) and 0 < len(b) <= 1000 for b in v)):
+        raise BadRequest(f"'dry_sequence_breakers' must be a list of 1 to {MAX_DRY_BREAKERS} non-empty texts "
+                         f"of at most 1,000 characters", "dry_sequence_breakers")
+    return tuple(v)
 
 
 MAX_LOGIT_BIAS = 1024   # entries of one request's logit_bias (OpenAI allows 300)
@@ -233,8 +260,8 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
-    # llama-server's other samplers, at their values that turn them off, and its probabilities after sampling
-    "mirostat": (0,), "dry_multiplier": (0.0, 0), "post_sampling_probs": (False,),
+    # llama-server's probabilities after sampling
+    "post_sampling_probs": (False,),
     # llama-server's chat rendering option: an assistant message continued
     "continue_final_message": (False,),
 }
@@ -750,9 +777,8 @@ class App:
             if _boolean(body, "echo"):
                 raise BadRequest("'echo' is served on /v1/completions only", "echo")
             stream, return_tokens = _boolean(body, "stream"), _boolean(body, "return_tokens")
-            constraint = await self._constraint(body)
             (req,), events = self._submit(body, ids, n_probs if n_probs else None, chat=False, n_max=1,
-                                          constraint=constraint)
+                                          **await self._prepare(body))
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         except QueueFull as exc:
@@ -886,8 +912,7 @@ class App:
                 refuse_unserved(chat)
                 fmt, tools = self._chat_format(chat)
                 ids = await self._encode(self._chat_prompt(chat, tools), False, "messages")
-                constraint = await self._constraint(chat, fmt)
-                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, constraint=constraint, fmt=fmt)
+                reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, fmt=fmt, **await self._prepare(chat, fmt))
             except BadRequest as exc:
                 param = names.get(exc.param, exc.param)
                 raise BadRequest(exc.message.replace(f"'{exc.param}'", f"'{param}'"), param, exc.status) from None
@@ -1059,6 +1084,18 @@ class App:
         raise BadRequest("'prompt' must be a string, a list of token ids, or a list of token ids and strings",
                          "prompt")
 
+    async def _prepare(self, body: dict, fmt: chat_format.ChatFormat | None = None) -> dict:
+        """What a request's sampler needs made off the event loop and the engine's thread: its grammar
+        (`constraint`) and DRY's sequence breakers as tokens (`breakers`: a set's first use reads the
+        whole vocabulary)."""
+        constraint = await self._constraint(body, fmt)
+        sampling = sampling_of(with_defaults(body, self.defaults), self.scheduler.model.geometry.n_vocab)
+        breakers = None
+        if sampling.dry:
+            breakers = await asyncio.get_running_loop().run_in_executor(
+                None, self.tokenizer.dry_breakers, sampling.dry_sequence_breakers)
+        return {"constraint": constraint, "breakers": breakers}
+
     async def _constraint(self, body: dict, fmt: chat_format.ChatFormat | None = None):
         """The request's grammar compiled (grammar.Constraint), or None; on a worker thread (llguidance
         drops the GIL while it compiles: a large grammar takes up to a second). With a chat format
@@ -1091,7 +1128,8 @@ class App:
 
     def _submit(self, body: dict, ids: list[int], logprobs: int | None, chat: bool,
                 n_max: int = MAX_CHOICES, prompt_logprobs: int | None = None,
-                constraint=None, fmt: chat_format.ChatFormat | None = None) -> tuple[list[Request], asyncio.Queue]:
+                constraint=None, fmt: chat_format.ChatFormat | None = None,
+                breakers=None) -> tuple[list[Request], asyncio.Queue]:
         """The request's fields read and checked (BadRequest names the one that is wrong), then its
         `n` choices queued for slots (QueueFull when the queue is: none of them then stays). Choice i
         samples with the seed plus i (one seed, n different samples, each reproducible). Their
@@ -1125,6 +1163,7 @@ class App:
                         logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos,
                         prompt_logprobs=prompt_logprobs,
                         constraint=constraint if i == 0 or constraint is None else constraint.copy(),
+                        dry_breakers=breakers,
                         shown=self._shown if fmt is not None else frozenset())
                 for i in range(n)]
         for req in reqs[1:] if prompt_logprobs is None else ():   # the others copy the first's prefilled prompt
@@ -1178,10 +1217,9 @@ class App:
         from starlette.responses import JSONResponse
 
         try:
-            constraint = await self._constraint(body, fmt)
             reqs, events = self._submit(body, ids, logprobs, chat,
                                         prompt_logprobs=logprobs if echo and logprobs is not None else None,
-                                        constraint=constraint, fmt=fmt)
+                                        fmt=fmt, **await self._prepare(body, fmt))
         except QueueFull as exc:
             return self.error(f"the server is busy: {exc}", 503, None, "server_busy", {"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -1437,6 +1475,11 @@ def request_defaults(args) -> dict:
     except BadRequest as exc:
         flag = next(f for f, field, _ in SAMPLING_FLAGS if field == exc.param)
         raise MuseError(f"{flag}: {exc.message.replace(repr(exc.param), 'the value')}") from None
+    if getattr(args, "dry_sequence_breaker", None) is not None:
+        out["dry_sequence_breakers"] = breakers_of_flags(args.dry_sequence_breaker)
+        problems = sampling_of(out, 1).problems()
+        if problems:
+            raise MuseError(problems[0])
     n_predict = getattr(args, "n_predict", None)
     if n_predict is not None:
         if n_predict < -1:
@@ -1491,6 +1534,9 @@ def _command(argv=None) -> int:
     for flag, field, kind in SAMPLING_FLAGS:
         p.add_argument(flag, type=kind, metavar="N" if kind is int else "X",
                        help=f"the default of a request's '{field}' (llama-server's flag)")
+    p.add_argument("--dry-sequence-breaker", action="append", metavar="TEXT",
+                   help="the default of a request's 'dry_sequence_breakers'; repeatable, replacing llama.cpp's "
+                        "defaults; 'none': no breakers (llama-server's flag)")
     p.add_argument("--n-predict", "-n", type=int, metavar="N",
                    help="the default of a request's token limit where it gives none (-1: until the slot is full)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")

@@ -104,6 +104,7 @@ class Request:
     prompt_logprobs: int | None = None   # None: off; k >= 0: each prompt token's log-prob and the top k
     constraint: object = None            # a grammar the output follows (grammar.Constraint), this request's own
     shown: frozenset = frozenset()       # control tokens whose text the output shows (a chat format's markup)
+    dry_breakers: dict | None = None     # DRY's breakers as tokens (MuseTokenizer.dry_breakers; None: made here)
     # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
     # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
     leader: "Request | None" = None
@@ -291,7 +292,9 @@ class Scheduler:
         slot.request, slot.generated = request, 0
         slot.admitted, slot.cache_seconds = time.perf_counter(), 0.0
         slot.sampler = Sampler(request.sampling, request.prompt_ids, self.tokenizer.vocab.suppress_ids,
-                               request.constraint)
+                               request.constraint, request.dry_breakers if request.dry_breakers is not None else
+                               self.tokenizer.dry_breakers(request.sampling.dry_sequence_breakers)
+                               if request.sampling.dry else None)
         slot.streamer = self.tokenizer.streamer(request.shown)
         slot.stop = StopMatcher(request.stop_strings)
 
@@ -423,13 +426,13 @@ class Scheduler:
         each slot's next token back is built from that token's lazy value and submitted before any
         token is read, so the host's reading, detokenizing and emitting overlap the GPU's step. A
         slot that then stops (a stop token or string, a non-finite row) was fed its last token all
-        the same: its cache, and `tokens` with it, holds that token. A slot with a grammar has its
-        next pick built once its token is read (the grammar's mask follows it), at the start of the
-        next step, and submitted alone ahead of that step's forward; it ends where its grammar
+        the same: its cache, and `tokens` with it, holds that token. A slot with a grammar or DRY has its
+        next pick built once its token is read (the mask and the penalty follow it), at the start of
+        the next step, and submitted alone ahead of that step's forward; it ends where its grammar
         takes nothing more."""
         picked = []
         for slot in list(slots):
-            if slot.next is None:   # its logits came from a prefill or a restore, or its pick follows a grammar
+            if slot.next is None:   # its logits came from a prefill or a restore, or its pick is paced
                 try:
                     slot.next = self._picks(slot)
                 except GrammarError as exc:   # its grammar allows no token: that request ends, the others go on
@@ -446,8 +449,8 @@ class Scheduler:
             logits = self.model(tokens, [s.cache for s in ahead])
             for b, slot in enumerate(ahead):
                 slot.fed, slot.logits = True, logits[b, 0]
-                # a grammar's pick waits for this step's token to be read (its mask follows the text)
-                slot.following = None if slot.sampler.constraint is not None else self._picks(slot)
+                # a paced pick (a grammar, DRY) waits for this step's token to be read
+                slot.following = None if slot.sampler.paced else self._picks(slot)
             mx.async_eval([logits] + [x for s in ahead if s.following is not None for x in s.following])
         for slot in slots:
             token, finite, *logprobs = slot.next

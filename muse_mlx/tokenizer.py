@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from .artifact import Vocabulary
 from .cli import read_regular_file
+from .dry import sequence_breakers
 from .errors import TokenizerError
 
 # Pre-tokenizer regexes, copied in meaning from llama-vocab.cpp (LLAMA_VOCAB_PRE_TYPE_*).
@@ -242,8 +243,10 @@ class MuseTokenizer:
     def n_vocab(self) -> int:
         return len(self.vocab.tokens)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Text -> ids, parsing special tokens; BOS first if the GGUF asks for it (or `add_bos`).
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Text -> ids, parsing special tokens (with `parse_special`, where the vocabulary's special
+        tokens allow it to be turned off: SpecialSplitter.usable); BOS first if the GGUF asks for it
+        (or `add_bos`).
 
         Text that is not Unicode (a lone surrogate: an undecodable byte of argv, a JSON escape) is a
         TokenizerError. The pieces go through tokenizers' `encode_batch`, which releases the GIL while
@@ -254,7 +257,8 @@ class MuseTokenizer:
         except UnicodeEncodeError as exc:
             raise TokenizerError(f"the text is not Unicode: a lone surrogate ({ord(text[exc.start]):#06x}) at "
                                  f"character {exc.start:,}") from None
-        pieces = [text] if self._specials is None else self._specials.split(text)   # None: tokenizers matches them
+        split = self._specials is not None and parse_special
+        pieces = self._specials.split(text) if split else [text]   # _specials None: tokenizers matches them
         texts = [p for p in pieces if not isinstance(p, int)]
         encoded = iter(self._tok.encode_batch(texts, add_special_tokens=False) if texts else ())
         ids = []
@@ -284,6 +288,26 @@ class MuseTokenizer:
 
     def decode(self, ids) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def dry_breakers(self, texts: tuple[str, ...]) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """DRY's sequence breakers as tokens: each text's (dry.sequence_breakers) put together."""
+        out: dict[int, tuple[tuple[int, ...], ...]] = {}
+        for text in texts:
+            for token, tails in self._dry_breaker(text).items():
+                out[token] = out.get(token, ()) + tuple(t for t in tails if t not in out.get(token, ()))
+        return out
+
+    @functools.lru_cache(maxsize=64)
+    def _dry_breaker(self, text: str) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """One breaker's tokens, over every token's text as llama.cpp's detokenize(special=true) gives
+        it: a text's first use reads the whole vocabulary."""
+        return sequence_breakers(self._pieces, lambda rest: self.encode(rest, add_bos=False, parse_special=False),
+                                 (text,))
+
+    @functools.cached_property
+    def _pieces(self) -> list[bytes]:
+        return [t.encode("utf-8") if i in self.control_ids else self.token_bytes(i)
+                for i, t in enumerate(self.vocab.tokens)]
 
     def streamer(self, shown=frozenset()) -> "TextStreamer":
         """shown: control tokens rendered as their text here (llama-server's preserved tokens of a

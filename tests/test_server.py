@@ -85,7 +85,8 @@ def solo(f32_fixture):
         if key not in memo:
             cache = model.make_cache(max(CTX, len(ids) + n + 1))
             constraint = Grammars(tok).compile(*grammar, "g") if grammar else None
-            memo[key] = list(generate_tokens(model, cache, list(ids), Sampler(settings, list(ids), (), constraint), n,
+            breakers = tok.dry_breakers(settings.dry_sequence_breakers) if settings.dry else None
+            memo[key] = list(generate_tokens(model, cache, list(ids), Sampler(settings, list(ids), (), constraint, breakers), n,
                                              tok.stop_ids))
         return memo[key] if as_ids else tok.decode(memo[key])
     return run
@@ -410,8 +411,12 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"logit_bias": [[1, True]]}, "logit_bias"), ({"logit_bias": [[1]]}, "logit_bias"),
     ({"logit_bias": [["a", 1]]}, "logit_bias"), ({"logit_bias": [[1, 101]]}, "logit_bias"),
     ({"logit_bias": [[1, 60], [1, 60]]}, "logit_bias"), ({"logit_bias": [[10**6, 1]]}, "logit_bias"),
-    ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 2}, "mirostat"),
-    ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 3}, "mirostat"),
+    ({"mirostat_tau": "5"}, "mirostat_tau"), ({"mirostat_eta": None, "mirostat": 1.5}, "mirostat"),
+    ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": "0.8"}, "dry_multiplier"),
+    ({"dry_allowed_length": -1}, "dry_allowed_length"), ({"dry_penalty_last_n": 1.5}, "dry_penalty_last_n"),
+    ({"dry_sequence_breakers": []}, "dry_sequence_breakers"), ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+    ({"dry_sequence_breakers": ["a", ""]}, "dry_sequence_breakers"), ({"dry_base": "1.75"}, "dry_base"),
     ({"xtc_probability": 1.5}, "xtc_probability"), ({"top_n_sigma": "1"}, "top_n_sigma"),
     ({"xtc_threshold": -1}, "xtc_threshold"),
     ({"dynatemp_range": -0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
@@ -444,6 +449,37 @@ def test_typical_p_top_n_sigma_xtc_and_dynatemp_equal_the_solo_run(client, solo)
                              SamplerSettings(temp=1.5, seed=9, dynatemp_range=1.4, dynatemp_exponent=3.0))]:
         r = client.completions.create(model="m", prompt=ids, max_tokens=12, temperature=1.5, seed=9, extra_body=extra)
         assert r.choices[0].text == solo(ids, 12, settings) != solo(ids, 12, SamplerSettings(temp=1.5, seed=9))
+
+
+def test_dry_equals_the_solo_run(client, solo):
+    """llama-server's DRY fields: greedy and sampled text equal the CLI loop's with the same DRY (its
+    breakers from the vocabulary), and differ from the runs without it (the random weights rarely
+    extend a repeat of two tokens: allowed length 0 penalizes every token seen in the window)."""
+    ids = prompt_ids(6, 31) * 4
+    for extra, settings in [({"dry_multiplier": 30.0, "dry_allowed_length": 0},
+                             SamplerSettings(dry_multiplier=30.0, dry_allowed_length=0)),
+                            ({"dry_multiplier": 2.0, "dry_base": 3.0, "dry_allowed_length": 0, "dry_penalty_last_n": 200,
+                              "dry_sequence_breakers": [" the", "e"]},
+                             SamplerSettings(dry_multiplier=2.0, dry_base=3.0, dry_allowed_length=0,
+                                             dry_penalty_last_n=200, dry_sequence_breakers=(" the", "e")))]:
+        r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=0, extra_body=extra)
+        assert r.choices[0].text == solo(ids, 16, settings) != solo(ids, 16)
+    extra = {"dry_multiplier": 5.0, "dry_allowed_length": 0}
+    settings = SamplerSettings(temp=1.2, seed=4, dry_multiplier=5.0, dry_allowed_length=0)
+    r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=1.2, seed=4, extra_body=extra)
+    assert r.choices[0].text == solo(ids, 16, settings) != solo(ids, 16, SamplerSettings(temp=1.2, seed=4))
+
+
+def test_mirostat_equals_the_solo_run(client, solo):
+    """llama-server's mirostat, mirostat_tau and mirostat_eta: the sampled text equals the decode loop's
+    with the same Mirostat (its own draws from the seed) and differs from the run without it."""
+    ids = prompt_ids(9, 41)
+    for extra, settings in [({"mirostat": 2, "mirostat_tau": 2.0}, SamplerSettings(temp=1.3, seed=3, mirostat=2,
+                                                                                  mirostat_tau=2.0)),
+                            ({"mirostat": 1, "mirostat_eta": 0.4}, SamplerSettings(temp=1.3, seed=3, mirostat=1,
+                                                                                  mirostat_eta=0.4))]:
+        r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=1.3, seed=3, extra_body=extra)
+        assert r.choices[0].text == solo(ids, 16, settings) != solo(ids, 16, SamplerSettings(temp=1.3, seed=3))
 
 
 def test_n_choices(client, server, solo):
