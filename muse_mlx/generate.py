@@ -23,7 +23,8 @@ from .cli import Parser
 from .config import KernelConfig
 from .geometry import PREFILL_CHUNK
 from .kv import SlotCache
-from .sampling import Sampler, SamplerSettings, all_finite, breakers_of_flags
+from .sampling import (DEFAULT_SAMPLERS, Sampler, SamplerSettings, add_samplers_flags, all_finite, breakers_of_flags,
+                       samplers_flags)
 
 DEFAULT_PROMPT = "A list is"
 
@@ -168,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Mirostat 1 or 2 in place of the penalties, DRY and the filters (llama.cpp's; 0: off)")
     p.add_argument("--mirostat-lr", type=float, default=0.1, help="Mirostat's learning rate eta (default 0.1)")
     p.add_argument("--mirostat-ent", type=float, default=5.0, help="Mirostat's target surprise tau (default 5.0)")
+    p.add_argument("--adaptive-target", type=float, default=-1.0,
+                   help="adaptive-p: draw tokens near this probability, where --samplers names adaptive_p "
+                        "(llama.cpp's; negative: as they are)")
+    p.add_argument("--adaptive-decay", type=float, default=0.9, help="adaptive-p's moving average decay (default 0.9)")
+    add_samplers_flags(p)
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
                    help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
     p.add_argument("--ignore-eos", action="store_true",
@@ -298,7 +304,9 @@ def run(argv: list[str] | None = None) -> int:
                                dry_multiplier=args.dry_multiplier, dry_base=args.dry_base if args.dry_base >= 1 else 1.75,
                                dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
                                dry_sequence_breakers=breakers_of_flags(args.dry_sequence_breaker),
-                               mirostat=args.mirostat, mirostat_tau=args.mirostat_ent, mirostat_eta=args.mirostat_lr)
+                               mirostat=args.mirostat, mirostat_tau=args.mirostat_ent, mirostat_eta=args.mirostat_lr,
+                               samplers=samplers_flags(args) or DEFAULT_SAMPLERS,
+                               adaptive_target=args.adaptive_target, adaptive_decay=args.adaptive_decay)
     problems = settings.problems()
     if args.max_tokens < 0:
         problems.append(f"--max-tokens must be >= 0, got {args.max_tokens}")

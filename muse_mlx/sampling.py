@@ -21,8 +21,45 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .adaptive_p import AdaptiveP
 from .dry import Dry
 from .mirostat import Mirostat
+
+
+# llama.cpp's sampler chain (common_params_sampling.samplers): its default order, the filters among
+# them, and those of them that always keep the best token (moot when the temperature is 0)
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+FILTERS = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc")
+KEEP_THE_BEST = frozenset({"top_n_sigma", "top_k", "top_p", "min_p"})
+# llama.cpp's names (common_sampler_types_from_names: any case, '-' or no '_' for '_', and its aliases)
+# and characters (common_sampler_types_from_chars) of the samplers; its `infill` is not served here
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "e": "penalties", "a": "adaptive_p"}
+SAMPLER_NAMES = {**{n: n for n in SAMPLER_CHARS.values()}, **{n.replace("_", "-"): n for n in SAMPLER_CHARS.values()},
+                 **{n.replace("_", ""): n for n in SAMPLER_CHARS.values()},
+                 "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+
+
+def samplers_of(value) -> tuple[str, ...]:
+    """A sampler order as llama.cpp takes it: a list of names or a string of characters -> the
+    canonical names. A name or character it does not know, or `infill`, is a ValueError (llama.cpp
+    skips an unknown one with a warning)."""
+    if isinstance(value, str):
+        out = []
+        for c in value:
+            if c not in SAMPLER_CHARS:
+                raise ValueError(f"sampler character {c!r} is not one of {''.join(SAMPLER_CHARS)}"
+                                 + (" (infill is not served)" if c == "i" else ""))
+            out.append(SAMPLER_CHARS[c])
+        return tuple(out)
+    out = []
+    for name in value:
+        key = name.lower() if isinstance(name, str) else None
+        if key not in SAMPLER_NAMES:
+            raise ValueError(f"sampler {str(name)[:40]!r} is not one of {', '.join(sorted(set(SAMPLER_NAMES.values())))}"
+                             + (" (infill is not served)" if key == "infill" else ""))
+        out.append(SAMPLER_NAMES[key])
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -63,15 +100,20 @@ class SamplerSettings:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # the chain's order (llama.cpp's samplers: a sampler left out is not applied; `adaptive_p` named
+    # anywhere makes the final draw adaptive-p's, adaptive_p.py)
+    samplers: tuple = DEFAULT_SAMPLERS
+    adaptive_target: float = -1.0   # < 0: adaptive-p draws from the candidates as they are
+    adaptive_decay: float = 0.9
 
     @property
     def penalized(self) -> bool:
-        return self.mirostat == 0 and self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+        return self.mirostat == 0 and "penalties" in self.samplers and self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                                             or self.frequency_penalty != 0.0)
 
     @property
     def dry(self) -> bool:
-        return (self.mirostat == 0 and self.dry_multiplier != 0.0 and self.dry_base >= 1.0
+        return (self.mirostat == 0 and "dry" in self.samplers and self.dry_multiplier != 0.0 and self.dry_base >= 1.0
                 and self.dry_penalty_last_n != 0)
 
     def problems(self) -> list[str]:
@@ -116,6 +158,12 @@ class SamplerSettings:
         for name, v in (("--mirostat-ent", self.mirostat_tau), ("--mirostat-lr", self.mirostat_eta)):
             if not math.isfinite(v):
                 p.append(f"{name} must be finite, got {v}")
+        unknown = [n for n in self.samplers if n not in SAMPLER_CHARS.values()]
+        if unknown:
+            p.append(f"--samplers: {unknown[0]!r} is not one of {', '.join(sorted(SAMPLER_CHARS.values()))}")
+        for name, v in (("--adaptive-target", self.adaptive_target), ("--adaptive-decay", self.adaptive_decay)):
+            if not math.isfinite(v):
+                p.append(f"{name} must be finite, got {v}")
         if not all(isinstance(b, str) and b for b in self.dry_sequence_breakers):
             p.append("--dry-sequence-breaker: each breaker must be a non-empty text")
         for token, bias in self.logit_bias:
@@ -135,6 +183,31 @@ def breakers_of_flags(flags: list[str] | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+def add_samplers_flags(p) -> None:
+    """llama.cpp's --samplers (names separated by ';') and --sampling-seq (characters) on a parser."""
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--samplers", metavar="NAMES",
+                       help="the sampler chain's order, names separated by ';' (llama.cpp's; default "
+                            + ";".join(DEFAULT_SAMPLERS) + "); a sampler left out is not applied")
+    order.add_argument("--sampling-seq", "--sampler-seq", metavar="CHARS",
+                       help="the same order as characters (llama.cpp's; default "
+                            + "".join(c for n in DEFAULT_SAMPLERS for c, m in SAMPLER_CHARS.items() if m == n) + ")")
+
+
+def samplers_flags(args) -> tuple[str, ...] | None:
+    """The order add_samplers_flags' flags give, or None; MuseError names a sampler it does not know."""
+    from .errors import MuseError
+
+    try:
+        if getattr(args, "samplers", None) is not None:
+            return samplers_of([n for n in args.samplers.split(";") if n])
+        if getattr(args, "sampling_seq", None) is not None:
+            return samplers_of(args.sampling_seq)
+    except ValueError as exc:
+        raise MuseError(f"--samplers: {exc}") from None
+    return None
+
+
 class Sampler:
     def __init__(self, settings: SamplerSettings, history=(), suppress=(), constraint=None, breakers=None):
         """history: the prompt's token ids, which the penalties look back over as over the output;
@@ -152,6 +225,8 @@ class Sampler:
                          settings.dry_penalty_last_n, breakers or {}, history) if settings.dry else None)
         self._mirostat = (Mirostat(settings.mirostat, settings.mirostat_tau, settings.mirostat_eta)
                           if settings.mirostat else None)
+        self._adaptive = (AdaptiveP(settings.adaptive_target, settings.adaptive_decay)
+                          if "adaptive_p" in settings.samplers and not settings.mirostat else None)
         self._key = mx.random.key(settings.seed % 2**64)   # any integer: taken modulo 2^64
         self._n = len(history) if settings.penalized else 0   # tokens accepted: the prompt's, then every pick
         self._window = np.asarray(history[-settings.repeat_last_n:] if self._n else [], dtype=np.int64)
@@ -190,29 +265,30 @@ class Sampler:
     def process(self, logits: mx.array) -> mx.array:
         """The logit bias, then the penalties, then DRY (llama.cpp's order and arithmetic), lazily.
         (V,) float32."""
+        return self._dry_step(self._penalties(self._biased(logits)))
+
+    def _biased(self, logits: mx.array) -> mx.array:
         if not self._started:
             self._start(logits.shape[-1])
-        if self._dry is not None:
-            dry = self._dry.penalties()
-            if dry is not None:
-                ids, values = dry
-                return self._penalize(logits).at[mx.array(ids)].add(mx.array(-values))
-        return self._penalize(logits)
+        return logits if self._bias is None else logits + self._bias
 
-    def _penalize(self, logits: mx.array) -> mx.array:
-        if self._bias is None and self._counts is None:
+    def _penalties(self, logits: mx.array) -> mx.array:
+        if self._counts is None:
             return logits
         s = self.settings
-        if self._bias is not None:
-            logits = logits + self._bias
-        if self._counts is not None:
-            seen = self._counts > 0
-            if s.repeat_penalty != 1.0:
-                logits = mx.where(seen, mx.where(logits <= 0, logits * s.repeat_penalty, logits / s.repeat_penalty),
-                                  logits)
-            if s.frequency_penalty != 0.0 or s.presence_penalty != 0.0:
-                logits = logits - mx.where(seen, self._counts * s.frequency_penalty + s.presence_penalty, 0.0)
+        seen = self._counts > 0
+        if s.repeat_penalty != 1.0:
+            logits = mx.where(seen, mx.where(logits <= 0, logits * s.repeat_penalty, logits / s.repeat_penalty), logits)
+        if s.frequency_penalty != 0.0 or s.presence_penalty != 0.0:
+            logits = logits - mx.where(seen, self._counts * s.frequency_penalty + s.presence_penalty, 0.0)
         return logits
+
+    def _dry_step(self, logits: mx.array) -> mx.array:
+        dry = self._dry.penalties() if self._dry is not None else None
+        if dry is None:
+            return logits
+        ids, values = dry
+        return logits.at[mx.array(ids)].add(mx.array(-values))
 
     def _accept(self, token: mx.array) -> None:
         """The picked token (a lazy 0-d array) into the penalties' window."""
@@ -230,7 +306,7 @@ class Sampler:
     @property
     def xtc(self) -> bool:
         s = self.settings
-        return s.xtc_probability > 0 and s.xtc_threshold <= 0.5
+        return s.xtc_probability > 0 and s.xtc_threshold <= 0.5 and "xtc" in s.samplers
 
     def filter(self, logits: mx.array, xtc_draw: mx.array | None = None) -> mx.array:
         """Mask (to -inf) the tokens the top-n-sigma / top-k / typical-p / top-p / min-p / XTC filters
@@ -240,23 +316,31 @@ class Sampler:
         return self._filter(logits, xtc_draw)[0]
 
     def _filter(self, logits: mx.array, xtc_draw: mx.array | None = None) -> tuple[mx.array, mx.array | int]:
-        """filter's logits, and how many candidates llama.cpp's list would then hold: top-k, typical-p,
-        top-p, min-p and XTC take tokens out of it, a bias's ban or top-n-sigma leave them in at minus
-        infinity (the size dynamic temperature's largest entropy is of)."""
+        """filter's logits, and how many candidates llama.cpp's list would then hold (_step)."""
+        size = logits.shape[-1]
+        for name in FILTERS:
+            logits, size = self._step(name, logits, size, xtc_draw)
+        return logits, size
+
+    def _step(self, name: str, logits: mx.array, size, xtc_draw: mx.array | None = None) -> tuple[mx.array, object]:
+        """One filter of llama.cpp's chain -> (logits, the candidates llama.cpp's list then holds: top-k,
+        typical-p, top-p, min-p and XTC take tokens out of it, a bias's ban or top-n-sigma leave them
+        in at minus infinity; the size dynamic temperature's largest entropy is of, counted only
+        where it is read)."""
         s = self.settings
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
-        size, count = logits.shape[-1], s.dynatemp_range > 0   # (the count's nodes only where it is read)
-        if s.top_n_sigma > 0:   # keep logits within n standard deviations (of the finite ones) of the best
+        count = s.dynatemp_range > 0
+        if name == "top_n_sigma" and s.top_n_sigma > 0:   # within n standard deviations (of the finite ones) of the best
             valid = logits > neg_inf
-            count = mx.sum(valid)
-            mean = mx.sum(mx.where(valid, logits, 0.0)) / count
-            std = mx.sqrt(mx.sum(mx.where(valid, mx.square(logits - mean), 0.0)) / count)
+            n_valid = mx.sum(valid)
+            mean = mx.sum(mx.where(valid, logits, 0.0)) / n_valid
+            std = mx.sqrt(mx.sum(mx.where(valid, mx.square(logits - mean), 0.0)) / n_valid)
             logits = mx.where(logits < logits.max() - s.top_n_sigma * std, neg_inf, logits)
-        if 0 < s.top_k < logits.shape[-1]:
+        elif name == "top_k" and 0 < s.top_k < logits.shape[-1]:
             kth = mx.sort(logits)[-s.top_k]
             logits = mx.where(logits >= kth, logits, neg_inf)
-            size = s.top_k
-        if s.typical_p < 1.0:   # the tokens whose surprise is nearest the entropy, up to mass typical_p
+            size = mx.minimum(size, s.top_k) if count else size
+        elif name == "typ_p" and s.typical_p < 1.0:   # the tokens whose surprise is nearest the entropy, up to mass typical_p
             probs = mx.softmax(logits, precise=True)
             logp = mx.log(probs)
             entropy = -mx.sum(mx.where(probs > 0, probs * logp, 0.0))
@@ -266,7 +350,7 @@ class Sampler:
             n_keep = mx.maximum(mx.sum(mx.cumsum(ranked) - ranked <= s.typical_p), 1)   # through the one passing it
             logits = mx.where(shifted <= shifted[order[n_keep - 1]], logits, neg_inf)
             size = n_keep if count else size
-        if s.top_p < 1.0:
+        elif name == "top_p" and s.top_p < 1.0:
             ordered = mx.sort(logits)[::-1]
             probs = mx.softmax(ordered, precise=True)
             before = mx.cumsum(probs) - probs          # mass strictly above each token
@@ -274,10 +358,10 @@ class Sampler:
             threshold = ordered[n_keep - 1]
             logits = mx.where(logits >= threshold, logits, neg_inf)
             size = mx.minimum(n_keep, size) if count else size
-        if s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
+        elif name == "min_p" and s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
             kept = logits >= logits.max() + float(np.log(np.float32(s.min_p)))
             logits, size = mx.where(kept, logits, neg_inf), mx.sum(kept) if count else size
-        if self.xtc:   # the likely tokens but the least likely of them out, when two or more are likely
+        elif name == "xtc" and self.xtc:   # the likely tokens but the least likely of them out, when two or more are
             probs = mx.softmax(logits, precise=True)
             likely = probs >= s.xtc_threshold
             least = mx.min(mx.where(likely, probs, mx.inf))
@@ -293,45 +377,84 @@ class Sampler:
         range, H the candidates' entropy and size how many they are (llama.cpp's list: _filter); none
         when one candidate is left; at 0 only the best token stays."""
         s = self.settings
+        best = mx.arange(logits.shape[-1]) == mx.argmax(logits)
         if s.dynatemp_range <= 0:
-            return logits / s.temp
+            return logits / s.temp if s.temp > 0 else mx.where(best, logits, -mx.inf)
         lo, hi = max(0.0, s.temp - s.dynatemp_range), s.temp + s.dynatemp_range
         probs = mx.softmax(logits, precise=True)
         entropy = -mx.sum(mx.where(probs > 0, probs * mx.log(mx.where(probs > 0, probs, 1.0)), 0.0))
         size = mx.array(size, dtype=mx.float32)
         temp = lo + (hi - lo) * mx.power(entropy / mx.log(size), s.dynatemp_exponent)
-        best = mx.arange(logits.shape[-1]) == mx.argmax(logits)
         scaled = mx.where(temp > 0, logits / temp, mx.where(best, logits, -mx.inf))
         return mx.where(size <= 1, logits, scaled)
 
     def token(self, logits: mx.array) -> mx.array:
         """The sampled token as a lazy 0-d array: nothing waits for the logits, so the next
         step can be built on it before it is computed (generate.generate_tokens)."""
-        logits = self.process(logits.reshape(-1).astype(mx.float32))
-        if self.constraint is not None:   # the grammar first, then the filters see only what it allows
-            allowed = self.constraint.allowed(logits.shape[-1])   # None: a lazy grammar not yet triggered
-            if allowed is not None:
-                logits = mx.where(allowed, logits, -mx.inf)
-        if self._mirostat is not None:   # llama.cpp's chain: the bias, the temperature, Mirostat
-            if self.settings.temp <= 0:   # only the best token left
-                kept = mx.where(mx.arange(logits.shape[-1]) == mx.argmax(logits), logits, -mx.inf)
+        s = self.settings
+        logits = self._biased(logits.reshape(-1).astype(mx.float32))
+        if self._mirostat is not None:   # llama.cpp's chain for it: the bias, the temperature, Mirostat
+            logits = self._masked(logits)
+            if s.temp > 0:   # (llama.cpp's plain temperature here: no dynamic range)
+                kept = self._mirostat.candidates(logits / s.temp)
             else:
-                kept = self._mirostat.candidates(logits / self.settings.temp)
+                kept = mx.where(mx.arange(logits.shape[-1]) == mx.argmax(logits), logits, -mx.inf)
             self._key, sub = mx.random.split(self._key)
             token = mx.random.categorical(kept, key=sub)
             self._mirostat.accept(kept, token)
-        elif self.settings.temp == 0:
+            self._accept(token)
+            return token
+        greedy = "temperature" in s.samplers and s.temp == 0 and s.dynatemp_range <= 0 and self._adaptive is None
+        order = s.samplers
+        if greedy:   # only the best token is left at the temperature: filters that always keep it are moot
+            order = order[:order.index("temperature")]   # after the last one that may not (they shape its input)
+            last = max((i for i, n in enumerate(order) if n in FILTERS and n not in KEEP_THE_BEST), default=-1)
+            order = order[:last + 1] + tuple(n for n in order[last + 1:] if n not in KEEP_THE_BEST)
+        draw = None
+        if self.xtc and "xtc" in order:   # XTC's draw, from a split of its own
+            self._key, xtc_key = mx.random.split(self._key)
+            draw = mx.random.uniform(key=xtc_key)
+        logits = self._chain(logits, order, draw)
+        if greedy:
             token = mx.argmax(logits)
         else:
-            draw = None
-            if self.xtc:   # XTC's draw, from a split of its own
-                self._key, xtc_key = mx.random.split(self._key)
-                draw = mx.random.uniform(key=xtc_key)
-            logits = self.temperature(*self._filter(logits, draw))
             self._key, sub = mx.random.split(self._key)
-            token = mx.random.categorical(logits, key=sub)
+            if self._adaptive is not None:
+                reshaped, p = self._adaptive.reshaped(logits)
+                token = mx.random.categorical(reshaped, key=sub)
+                self._adaptive.accept(p, token)
+            else:
+                token = mx.random.categorical(logits, key=sub)
         self._accept(token)
         return token
+
+    def chain(self, logits: mx.array, xtc_draw: mx.array | None = None) -> mx.array:
+        """The logits (V,) through the bias and the settings' sampler order (the grammar's mask before
+        the first filter): what the final draw samples from."""
+        return self._chain(self._biased(logits), self.settings.samplers, xtc_draw)
+
+    def _chain(self, logits: mx.array, order: tuple, xtc_draw: mx.array | None) -> mx.array:
+        masked, size = False, logits.shape[-1]
+        for name in order:
+            if name == "penalties":
+                logits = self._penalties(logits)
+            elif name == "dry":
+                logits = self._dry_step(logits)
+            else:
+                if not masked:
+                    logits, masked = self._masked(logits), True
+                if name == "temperature":
+                    logits = self.temperature(logits, size)
+                elif name != "adaptive_p":   # (the final draw's)
+                    logits, size = self._step(name, logits, size, xtc_draw)
+        return logits if masked else self._masked(logits)
+
+    def _masked(self, logits: mx.array) -> mx.array:
+        """The grammar's mask, if any (None from a lazy grammar not yet triggered: no mask)."""
+        if self.constraint is None:
+            return logits
+        allowed = self.constraint.allowed(logits.shape[-1])
+        return logits if allowed is None else mx.where(allowed, logits, -mx.inf)
 
     def __call__(self, logits: mx.array) -> int:
         token = int(self.token(logits).item())

@@ -31,7 +31,8 @@ from .cli import Parser
 from .config import KernelConfig
 from .errors import MuseError
 from .grammar import GrammarError, Grammars, schema_text
-from .sampling import SamplerSettings, breakers_of_flags
+from .sampling import (DEFAULT_SAMPLERS, SamplerSettings, add_samplers_flags, breakers_of_flags, samplers_flags,
+                       samplers_of)
 from .slots import QueueFull, Request, Scheduler
 
 MAX_STOP_STRINGS, MAX_TOP_LOGPROBS = 16, 20
@@ -131,7 +132,8 @@ SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), (
                   ("--frequency-penalty", "frequency_penalty", float), ("--dry-multiplier", "dry_multiplier", float),
                   ("--dry-base", "dry_base", float), ("--dry-allowed-length", "dry_allowed_length", int),
                   ("--dry-penalty-last-n", "dry_penalty_last_n", int), ("--mirostat", "mirostat", int),
-                  ("--mirostat-lr", "mirostat_eta", float), ("--mirostat-ent", "mirostat_tau", float))
+                  ("--mirostat-lr", "mirostat_eta", float), ("--mirostat-ent", "mirostat_tau", float),
+                  ("--adaptive-target", "adaptive_target", float), ("--adaptive-decay", "adaptive_decay", float))
 MAX_DRY_BREAKERS = 16   # texts of one request's dry_sequence_breakers (each new one: a pass over the vocabulary, ~0.15 s)
 
 
@@ -167,7 +169,26 @@ def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
                            dry_sequence_breakers=dry_breakers_of(body),
                            mirostat=_integer(body, "mirostat", 0, 0, 2),
                            mirostat_tau=_number(body, "mirostat_tau", 5.0, -1e6, 1e6),
-                           mirostat_eta=_number(body, "mirostat_eta", 0.1, -1e6, 1e6))
+                           mirostat_eta=_number(body, "mirostat_eta", 0.1, -1e6, 1e6),
+                           samplers=samplers_field(body),
+                           adaptive_target=_number(body, "adaptive_target", -1.0, -1e6, 1e6),
+                           adaptive_decay=_number(body, "adaptive_decay", 0.9, -1e6, 1e6))
+
+
+def samplers_field(body: dict) -> tuple[str, ...]:
+    """llama-server's `samplers`: the chain's order, as sampler names or a string of their characters."""
+    v = body.get("samplers")
+    if v is None:
+        return DEFAULT_SAMPLERS
+    if isinstance(v, tuple):   # the server's own --samplers / --sampling-seq, already read
+        return v
+    if not (isinstance(v, str) and len(v) <= 64 or isinstance(v, list) and len(v) <= 64):
+        raise BadRequest("'samplers' must be a list of at most 64 sampler names or a string of their characters",
+                         "samplers")
+    try:
+        return samplers_of(v)
+    except ValueError as exc:
+        raise BadRequest(f"'samplers': {exc}", "samplers") from None
 
 
 def dry_breakers_of(body: dict) -> tuple[str, ...]:
@@ -260,8 +281,10 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
-    # llama-server's probabilities after sampling
-    "post_sampling_probs": (False,),
+    # llama-server's probabilities after sampling, its filters' floor of tokens kept, its grammar
+    # triggered from the client's own triggers, its indentation, time limit and reasoning budget
+    "post_sampling_probs": (False,), "min_keep": (0,), "grammar_lazy": (False,), "grammar_triggers": ([],),
+    "preserved_tokens": ([],), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "reasoning_budget_tokens": (-1,),
     # llama-server's chat rendering option: an assistant message continued
     "continue_final_message": (False,),
 }
@@ -1475,6 +1498,9 @@ def request_defaults(args) -> dict:
     except BadRequest as exc:
         flag = next(f for f, field, _ in SAMPLING_FLAGS if field == exc.param)
         raise MuseError(f"{flag}: {exc.message.replace(repr(exc.param), 'the value')}") from None
+    order = samplers_flags(args)
+    if order is not None:
+        out["samplers"] = order
     if getattr(args, "dry_sequence_breaker", None) is not None:
         out["dry_sequence_breakers"] = breakers_of_flags(args.dry_sequence_breaker)
         problems = sampling_of(out, 1).problems()
@@ -1537,6 +1563,7 @@ def _command(argv=None) -> int:
     p.add_argument("--dry-sequence-breaker", action="append", metavar="TEXT",
                    help="the default of a request's 'dry_sequence_breakers'; repeatable, replacing llama.cpp's "
                         "defaults; 'none': no breakers (llama-server's flag)")
+    add_samplers_flags(p)
     p.add_argument("--n-predict", "-n", type=int, metavar="N",
                    help="the default of a request's token limit where it gives none (-1: until the slot is full)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")

@@ -313,6 +313,29 @@ def test_default_fixture_is_deterministic(tmp_path):
     assert not list((tmp_path / "a").glob(".*tmp*"))  # nothing half-written left behind
 
 
+def test_sampler_order_flags(f32_fixture):
+    """--samplers / --sampling-seq (llama.cpp's): the output equals the decode loop's with that order,
+    and differs from the default's; a name or character llama.cpp does not know is one line, exit 2."""
+    base = ["--model", str(f32_fixture), "-p", "The ring", "-m", "10", "--temp", "1.5", "--seed", "3", "--top-k", "9",
+            "--top-p", "0.5"]
+    model = load(f32_fixture, backend="reference")
+    tok = MuseTokenizer(model.artifact.vocabulary)
+    ids = tok.encode("The ring")
+
+    def loop(order):
+        s = SamplerSettings(temp=1.5, seed=3, top_k=9, top_p=0.5, samplers=order)
+        return tok.decode(list(generate_tokens(model, model.make_cache(256), ids, Sampler(s, ids), 10, tok.stop_ids)))
+    for flags in (["--samplers", "temperature;top_p;top_k"], ["--sampling-seq", "tpk"]):
+        r = run_cli(*base, *flags)
+        assert r.returncode == 0 and r.stdout == loop(("temperature", "top_p", "top_k")) + "\n", r.stderr
+    assert loop(("temperature", "top_p", "top_k")) != run_cli(*base).stdout[:-1]
+    for flags, fragment in [(["--samplers", "top_k;bogus"], "'bogus' is not one of"),
+                            (["--sampling-seq", "kiz"], "infill is not served"),
+                            (["--samplers", "k", "--sampling-seq", "k"], "not allowed with")]:
+        r = run_cli(*base, *flags)
+        assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_sampler_filters():
     logits = mx.log(mx.array([0.5, 0.25, 0.15, 0.06, 0.04]))
     keep = lambda **kw: [bool(x) for x in mx.isfinite(Sampler(SamplerSettings(temp=1, **kw)).filter(logits))]  # noqa

@@ -275,3 +275,118 @@ def test_settings_that_change_nothing_leave_the_logits_alone():
 ])
 def test_settings_refused(settings, says):
     assert any(says in p for p in settings.problems()), settings.problems()
+
+
+def llama_sampler(L, name: str, s: SamplerSettings, V: int):
+    """One sampler of llama.cpp's chain as common/sampling.cpp makes it (min_keep 0)."""
+    return {"penalties": lambda: L.llama_sampler_init_penalties(V, s.repeat_last_n, s.repeat_penalty,
+                                                                s.frequency_penalty, s.presence_penalty),
+            "top_n_sigma": lambda: L.llama_sampler_init_top_n_sigma(s.top_n_sigma),
+            "top_k": lambda: L.llama_sampler_init_top_k(s.top_k),
+            "typ_p": lambda: L.llama_sampler_init_typical(s.typical_p, 0),
+            "top_p": lambda: L.llama_sampler_init_top_p(s.top_p, 0),
+            "min_p": lambda: L.llama_sampler_init_min_p(s.min_p, 0),
+            "xtc": lambda: L.llama_sampler_init_xtc(s.xtc_probability, s.xtc_threshold, 0, 1234),
+            "temperature": lambda: L.llama_sampler_init_temp_ext(s.temp, s.dynatemp_range, s.dynatemp_exponent),
+            "adaptive_p": lambda: L.llama_sampler_init_adaptive_p(s.adaptive_target, s.adaptive_decay, 99)}[name]()
+
+
+def apply_chain(L, samplers, logits: np.ndarray):
+    V = len(logits)
+    data = (L.llama_token_data * V)(*[L.llama_token_data(i, float(v), 0.0) for i, v in enumerate(logits)])
+    arr = L.llama_token_data_array(data, V, -1, False)
+    for smpl in samplers:
+        L.llama_sampler_apply(smpl, ctypes.byref(arr))
+    kept = {arr.data[i].id: arr.data[i].logit for i in range(arr.size) if arr.data[i].logit != -np.inf}
+    return kept, arr.data[arr.selected].id if arr.selected >= 0 else None
+
+
+ORDERS = {
+    # llama.cpp's own order, at temperature 0: typical-p and XTC may drop the best token, so greedy is the
+    # best of what they leave (not the argmax of the logits); with a dynamic range, temperature 0 samples
+    "greedy-typical": SamplerSettings(temp=0, typical_p=0.3, top_k=40),
+    "greedy-xtc": SamplerSettings(temp=0, xtc_probability=1.0, xtc_threshold=0.05, min_p=0.01),
+    "zero-dynatemp": SamplerSettings(temp=0, dynatemp_range=0.7, top_p=0.9),
+    # other orders, as a client's `samplers` gives them
+    "temperature-first": SamplerSettings(temp=1.8, top_p=0.7, min_p=0.05, top_k=50,
+                                         samplers=("temperature", "top_p", "min_p", "top_k")),
+    "penalties-last": SamplerSettings(temp=0.8, top_k=30, repeat_penalty=1.4, presence_penalty=0.5,
+                                      samplers=("top_k", "temperature", "penalties")),
+    "no-temperature": SamplerSettings(temp=0.0, top_k=20, typical_p=0.8, samplers=("typ_p", "top_k")),
+    "sigma-after-xtc": SamplerSettings(temp=1.1, top_n_sigma=1.0, xtc_probability=1.0, xtc_threshold=0.02,
+                                       dynatemp_range=0.5, samplers=("xtc", "top_n_sigma", "temperature")),
+}
+
+
+@pytest.mark.parametrize("name", ORDERS)
+def test_the_chain_in_any_order_is_llama_cpp_s(name):
+    """Over 30 random rows after a prompt of 40 tokens drawn from 30: the logits the chain leaves for
+    the draw (the kept tokens, their values within float32 rounding of the dynamic temperature's
+    entropy) are those of llama.cpp's samplers chained in the same order; where the temperature is 0
+    and the order ends with it, our pick is the one token llama.cpp leaves."""
+    s, L, V = ORDERS[name], llama(), 300
+    rng = np.random.default_rng([17, len(name)])
+    prompt = rng.integers(0, 30, 40).tolist()
+    samplers = [llama_sampler(L, n, s, V) for n in s.samplers if n != "dry" and (s.penalized or n != "penalties")]
+    for t in prompt:
+        for smpl in samplers:
+            L.llama_sampler_accept(smpl, int(t))
+    ours = Sampler(s, prompt)
+    try:
+        for row in range(30):
+            logits = (rng.standard_normal(V) * rng.uniform(0.5, 4)).astype(np.float32)
+            logits[rng.integers(0, 30, 4)] += 5.0
+            want, _ = apply_chain(L, samplers, logits)
+            got = np.array(ours.chain(mx.array(logits)))
+            assert sorted(np.flatnonzero(np.isfinite(got)).tolist()) == sorted(want), (row, len(want))
+            ids = sorted(want)
+            assert np.allclose(got[ids], [want[i] for i in ids], rtol=1e-5, atol=1e-6), row
+            pick = int(ours.token(mx.array(logits)).item())
+            if s.temp == 0 and s.dynatemp_range == 0 and "temperature" in s.samplers:
+                assert [pick] == ids, (row, pick, ids)
+            for smpl in samplers:
+                L.llama_sampler_accept(smpl, pick)
+    finally:
+        for smpl in samplers:
+            L.llama_sampler_free(smpl)
+
+
+@pytest.mark.parametrize("target, decay", [(0.3, 0.9), (0.05, 0.5), (0.7, 0.99), (-1.0, 0.9)])
+def test_adaptive_p_is_llama_cpp_s(target, decay):
+    """adaptive-p after the temperature, 40 steps: its reshaped logits equal llama.cpp's (within the
+    softmax's float32 rounding), then llama.cpp's pick is accepted by both, moving each running mean."""
+    from muse_mlx.adaptive_p import AdaptiveP
+
+    L, V = llama(), 300
+    s = SamplerSettings(temp=0.9, adaptive_target=target, adaptive_decay=decay, samplers=("temperature", "adaptive_p"))
+    samplers = [llama_sampler(L, n, s, V) for n in s.samplers]
+    ours = AdaptiveP(target, decay)
+    rng = np.random.default_rng([19, int(target * 100) + 100])
+    try:
+        for row in range(40):
+            logits = (rng.standard_normal(V) * rng.uniform(1, 4)).astype(np.float32)
+            logits[rng.integers(0, V, 20)] = -np.inf
+            want, pick = apply_chain(L, samplers, logits)
+            reshaped, p = ours.reshaped(mx.array(logits) / np.float32(0.9))
+            got = np.array(reshaped)
+            ids = sorted(want)
+            assert sorted(np.flatnonzero(np.isfinite(got)).tolist()) == ids
+            assert np.allclose(got[ids], [want[i] for i in ids], rtol=1e-5, atol=1e-4), row
+            for smpl in samplers:
+                L.llama_sampler_accept(smpl, pick)
+            ours.accept(p, mx.array(pick))
+    finally:
+        for smpl in samplers:
+            L.llama_sampler_free(smpl)
+
+
+def test_sampler_orders_as_llama_cpp_names_them():
+    from muse_mlx.sampling import DEFAULT_SAMPLERS, samplers_of
+
+    assert samplers_of("edskypmxt") == DEFAULT_SAMPLERS
+    assert samplers_of(["Top-K", "nucleus", "temp", "minp", "typ", "adaptive_p"]) == (
+        "top_k", "top_p", "temperature", "min_p", "typ_p", "adaptive_p")
+    for bad, says in [(["top_k", "bogus"], "'bogus' is not one of"), ("kz", "'z' is not one of"),
+                      (["infill"], "infill is not served"), ("ki", "infill is not served"), ([3], "'3' is not")]:
+        with pytest.raises(ValueError, match=says):
+            samplers_of(bad)

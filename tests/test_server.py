@@ -413,6 +413,10 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"logit_bias": [[1, 60], [1, 60]]}, "logit_bias"), ({"logit_bias": [[10**6, 1]]}, "logit_bias"),
     ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 3}, "mirostat"),
     ({"mirostat_tau": "5"}, "mirostat_tau"), ({"mirostat_eta": None, "mirostat": 1.5}, "mirostat"),
+    ({"samplers": ["top_k", "bogus"]}, "samplers"), ({"samplers": "ki"}, "samplers"), ({"samplers": 3}, "samplers"),
+    ({"adaptive_target": "0.5"}, "adaptive_target"), ({"min_keep": 2}, "min_keep"), ({"grammar_lazy": True}, "grammar_lazy"),
+    ({"n_indent": 4}, "n_indent"), ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
+    ({"reasoning_budget_tokens": 0}, "reasoning_budget_tokens"), ({"preserved_tokens": ["<x>"]}, "preserved_tokens"),
     ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": "0.8"}, "dry_multiplier"),
     ({"dry_allowed_length": -1}, "dry_allowed_length"), ({"dry_penalty_last_n": 1.5}, "dry_penalty_last_n"),
     ({"dry_sequence_breakers": []}, "dry_sequence_breakers"), ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
@@ -468,6 +472,27 @@ def test_dry_equals_the_solo_run(client, solo):
     settings = SamplerSettings(temp=1.2, seed=4, dry_multiplier=5.0, dry_allowed_length=0)
     r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=1.2, seed=4, extra_body=extra)
     assert r.choices[0].text == solo(ids, 16, settings) != solo(ids, 16, SamplerSettings(temp=1.2, seed=4))
+
+
+def test_sampler_order_equals_the_solo_run(client, solo):
+    """llama-server's `samplers` (names, or a string of characters) and adaptive-p: the sampled text
+    equals the decode loop's with the same order, and an order that differs changes it."""
+    ids = prompt_ids(11, 43)
+    base = dict(temp=1.4, seed=6, top_k=12, top_p=0.6)
+    for extra, order in [({"samplers": ["temperature", "top_p", "top_k"]}, ("temperature", "top_p", "top_k")),
+                         ({"samplers": "kpt"}, ("top_k", "top_p", "temperature"))]:
+        r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=1.4, seed=6, top_p=0.6,
+                                      extra_body={"top_k": 12, **extra})
+        assert r.choices[0].text == solo(ids, 16, SamplerSettings(**base, samplers=order))
+    assert solo(ids, 16, SamplerSettings(**base, samplers=("temperature", "top_p", "top_k"))) != solo(
+        ids, 16, SamplerSettings(**base))
+    extra = {"samplers": ["top_k", "temperature", "adaptive_p"], "adaptive_target": 0.2, "adaptive_decay": 0.8,
+             "top_k": 12}
+    r = client.completions.create(model="m", prompt=ids, max_tokens=16, temperature=1.4, seed=6, extra_body=extra)
+    want = SamplerSettings(temp=1.4, seed=6, top_k=12, samplers=("top_k", "temperature", "adaptive_p"),
+                           adaptive_target=0.2, adaptive_decay=0.8)
+    assert r.choices[0].text == solo(ids, 16, want) != solo(ids, 16, SamplerSettings(
+        temp=1.4, seed=6, top_k=12, samplers=("top_k", "temperature")))
 
 
 def test_mirostat_equals_the_solo_run(client, solo):
