@@ -196,6 +196,7 @@ class ChatFormat:
     reasoning: bool = True
     required: bool = False
     parallel: bool = False
+    prefill: str = ""   # what follows START in the prompt: an assistant message continued (continuation)
 
     @property
     def structured(self) -> bool:
@@ -207,8 +208,54 @@ class ChatFormat:
         as the pinned llama.cpp's parser reads it; None where that parser fails (llama.cpp then
         answers with an error; the caller takes the text as the content)."""
         if not self.structured:
-            return Message(content=text)
-        return _Parser(START + text, self).answer()
+            return Message(content=self.prefill + text)
+        return _Parser(START + self.prefill + text, self).answer()
+
+
+CONTINUATIONS = {True: "auto", "content": "content", "reasoning_content": "reasoning"}
+
+
+def continuation(body: dict, prefill_assistant: bool) -> str | None:
+    """How a chat request continues its last message, as the pinned llama-server decides
+    (server-common.cpp): llama-server's `continue_final_message` (true, "content" or
+    "reasoning_content"), else, with `prefill_assistant` (its default), a last message from the
+    assistant; `auto` is then "reasoning" for a message with reasoning and no content, else "content".
+    None: no continuation. FormatError for what llama-server refuses."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return None   # (the prompt's rendering names what is wrong)
+    asked = body.get("continue_final_message")
+    if asked is None or asked is False:
+        mode = None
+    elif asked is True or asked in ("content", "reasoning_content"):
+        mode = CONTINUATIONS[asked]
+    else:
+        raise FormatError("'continue_final_message' must be true, false, \"content\" or \"reasoning_content\"",
+                          "continue_final_message")
+    generation_prompt = body.get("add_generation_prompt") is not False
+    if mode is None and prefill_assistant and messages[-1].get("role") == "assistant":
+        if len(messages) >= 2 and messages[-2].get("role") == "assistant":
+            raise FormatError("cannot have 2 or more assistant messages at the end of the list", "messages")
+        mode, generation_prompt = "auto", False
+    if mode is None:
+        return None
+    if generation_prompt:
+        raise FormatError("cannot set both add_generation_prompt and continue_final_message to true",
+                          "continue_final_message")
+    last = messages[-1]
+    if last.get("role") == "assistant" and last.get("tool_calls"):
+        raise FormatError("cannot continue an assistant message that contains tool calls", "messages")
+    if mode == "auto":
+        reasoning = last.get("reasoning_content")
+        mode = "reasoning" if isinstance(reasoning, str) and reasoning and not last.get("content") else "content"
+    return mode
+
+
+def continued(mode: str, reasoning: str, content: str) -> str:
+    """What follows START in the prompt of an answer continued (common/parsers/muse-glimmer.cpp): its
+    reasoning message, and with mode "content" the answer's message so far."""
+    out = " to=self" + MESSAGE + reasoning
+    return out + EOM + START + " to=user" + MESSAGE + content if mode == "content" else out
 
 
 def read_format(body: dict, default_reasoning: str = "auto") -> tuple[ChatFormat, tuple]:

@@ -285,8 +285,6 @@ UNSERVED = {
     # triggered from the client's own triggers, its indentation, time limit and reasoning budget
     "post_sampling_probs": (False,), "min_keep": (0,), "grammar_lazy": (False,), "grammar_triggers": ([],),
     "preserved_tokens": ([],), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "reasoning_budget_tokens": (-1,),
-    # llama-server's chat rendering option: an assistant message continued
-    "continue_final_message": (False,),
 }
 # What a chat request gives its template itself: `chat_template_kwargs` may not set these.
 TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "tools"})
@@ -340,16 +338,16 @@ def grammar_request(body: dict) -> tuple[str, str, str] | None:
     return kind, spec, field
 
 
-def message_text(content) -> str:
+def message_text(content, joiner: str = "\n") -> str:
     """A chat message's content: a string, or OpenAI's list of text parts, joined by newlines as
-    llama.cpp joins them for a template that takes strings (common/chat.cpp). Other parts (images,
-    audio) are not served."""
+    llama.cpp joins them for a template that takes strings (common/chat.cpp; `joiner`: a continued
+    message's parts are joined by its render_content's "\n\n"). Other parts (images, audio) are not served."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
         kinds = {p.get("type") for p in content}
         if kinds == {"text"} and all(isinstance(p.get("text"), str) for p in content):
-            return "\n".join(p["text"] for p in content)
+            return joiner.join(p["text"] for p in content)
         other = sorted(k for k in kinds - {"text"} if isinstance(k, str))
         if other:
             raise BadRequest(f"a message's {other[0][:40]!r} content part is not served here (text only)", "messages")
@@ -390,6 +388,7 @@ class App:
         self._grammars: Grammars | None = None   # llguidance's token table, made at the first grammar
         self._grammars_lock = threading.Lock()
         self.reasoning_format = reasoning_format   # llama-server's --reasoning-format: a request's default
+        self.prefill_assistant = True   # a last message from the assistant is continued (llama-server's default)
         self.defaults: dict = {}   # request fields' defaults from the command line (SAMPLING_FLAGS, -n)
         # the chat template's answers are read (reasoning, content, tool calls) where it is muse-glimmer's
         self.reads_answers = chat_format.is_muse_glimmer(tokenizer.chat_template)
@@ -871,7 +870,7 @@ class App:
             if _boolean(body, "echo"):
                 raise BadRequest("'echo' is served on /v1/completions only", "echo")
             fmt, tools = self._chat_format(body)
-            ids = await self._encode(self._chat_prompt(body, tools), False, "messages")
+            ids = await self._encode(self._chat_prompt(body, tools, fmt), False, "messages")
             want = _boolean(body, "logprobs")
             top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
             if top and not want:
@@ -917,7 +916,7 @@ class App:
 
         try:
             chat = messages_api.to_chat(parse_json(await read_body(request, JSON_MAX_BYTES)))
-            ids = await self._encode(self._chat_prompt(chat, self._chat_format(chat)[1]), False, "messages")
+            ids = await self._encode(self._chat_prompt(chat, *self._chat_format(chat)[::-1]), False, "messages")
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
         except messages_api.InputError as exc:
@@ -934,7 +933,7 @@ class App:
             try:
                 refuse_unserved(chat)
                 fmt, tools = self._chat_format(chat)
-                ids = await self._encode(self._chat_prompt(chat, tools), False, "messages")
+                ids = await self._encode(self._chat_prompt(chat, tools, fmt), False, "messages")
                 reqs, events = self._submit(chat, ids, None, chat=True, n_max=1, fmt=fmt, **await self._prepare(chat, fmt))
             except BadRequest as exc:
                 param = names.get(exc.param, exc.param)
@@ -988,6 +987,8 @@ class App:
         """How the request's answer is read (chat_format.ChatFormat; None where the template is not
         muse-glimmer's: its text is the content) and the tools its prompt shows."""
         if not self.reads_answers:
+            if body.get("continue_final_message") not in (None, False):
+                raise BadRequest("'continue_final_message' needs muse-glimmer's chat template here", "continue_final_message")
             if body.get("tools") or body.get("tool_choice") not in (None, "auto", "none"):
                 raise BadRequest("'tools' need a chat template with a tool-call format (muse-glimmer's ATEM "
                                  "markup); this model's template has none", "tools")
@@ -1003,14 +1004,30 @@ class App:
                 fmt.tools and isinstance(body.get("response_format"), dict)
                 and body["response_format"].get("type") not in (None, "text")):
             raise BadRequest("'tools' cannot be used with a grammar, a JSON schema or a response_format", "tools")
+        try:
+            mode = chat_format.continuation(body, self.prefill_assistant)
+        except chat_format.FormatError as exc:
+            raise BadRequest(exc.message, exc.param) from None
+        if mode is not None:
+            if fmt.tools or grammar_request(body) is not None:
+                raise BadRequest("continuing the last message under tools, a grammar or a JSON schema is not served "
+                                 "here", "continue_final_message" if body.get("continue_final_message") else "messages")
+            last = body["messages"][-1]
+            reasoning = last.get("reasoning_content") or ""
+            if not isinstance(reasoning, str):
+                raise BadRequest("a message's 'reasoning_content' must be a string", "messages")
+            content = "" if last.get("content") is None else message_text(last.get("content"), "\n\n")
+            fmt = replace(fmt, prefill=chat_format.continued(mode, reasoning, content))
         return fmt, tools
 
-    def _chat_prompt(self, body: dict, tools: tuple = ()) -> str:
+    def _chat_prompt(self, body: dict, tools: tuple = (), fmt: chat_format.ChatFormat | None = None) -> str:
         """The request's `messages` rendered by the GGUF's chat template (in its sandbox), with
         llama-server's `chat_template_kwargs` (the template's own variables, e.g. muse-glimmer's
         `reasoning_strength`, `knowledge_cutoff`, `current_date`) and `add_generation_prompt`; the
         `tools` offered, an assistant message's `tool_calls` and a tool message's `tool_call_id` and
-        `name`, as llama.cpp hands them to the template."""
+        `name`, as llama.cpp hands them to the template. An answer continued (fmt.prefill): the messages
+        before the last without the generation prompt, then the answer's start with that message in it
+        (common/parsers/muse-glimmer.cpp)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -1044,9 +1061,12 @@ class App:
             rendered.append(message)
         if tools:
             kwargs = {**kwargs, "tools": [t.as_template_input() for t in tools]}
+        generation_prompt = _boolean(body, "add_generation_prompt", True)
+        continued = fmt is not None and fmt.prefill
         try:
-            return self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt=_boolean(body, "add_generation_prompt", True), **kwargs)
+            text = self.tokenizer.apply_chat_template(rendered[:-1] if continued else rendered,
+                                                      add_generation_prompt=generation_prompt and not continued, **kwargs)
+            return text + chat_format.START + fmt.prefill if continued else text
         except MuseError as exc:
             raise BadRequest(f"the chat template failed: {exc}", "messages") from None
 
@@ -1057,7 +1077,7 @@ class App:
 
         try:
             body = parse_json(await read_body(request, JSON_MAX_BYTES))
-            return JSONResponse({"prompt": self._chat_prompt(body, self._chat_format(body)[1])})
+            return JSONResponse({"prompt": self._chat_prompt(body, *self._chat_format(body)[::-1])})
         except BadRequest as exc:
             return self.error(exc.message, exc.status, exc.param)
 
@@ -1485,6 +1505,7 @@ def build(args, config: KernelConfig | None = None) -> tuple[App, Scheduler]:
               getattr(args, "reasoning_format", "auto"))
     app.aliases = tuple(aliases)
     app.defaults = request_defaults(args)
+    app.prefill_assistant = not getattr(args, "no_prefill_assistant", False)
     return app, scheduler
 
 
@@ -1578,6 +1599,9 @@ def _command(argv=None) -> int:
                    help="a muse-glimmer chat answer's reasoning: split into 'reasoning_content' (auto, deepseek, "
                         "deepseek-legacy) or left in the content (none); a request's reasoning_format overrides "
                         "it (default auto, llama-server's)")
+    p.add_argument("--no-prefill-assistant", action="store_true",
+                   help="a chat's last message from the assistant starts a new answer rather than being continued "
+                        "(llama-server's flag)")
     p.add_argument("--metrics", action="store_true", help="serve GET /metrics (Prometheus text, llama-server's names)")
     p.add_argument("--reference", action="store_true", help="the MLX-ops reference backend even on a GPU")
     p.add_argument("--batch-invariant", action="store_true",

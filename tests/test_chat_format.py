@@ -299,3 +299,66 @@ def test_a_tool_s_refs_and_any_parameter_names_reach_its_grammar(tokenizer, gram
         assert constraint.done is not parallel
         if parallel:
             assert bool(np.array(constraint.allowed(tokenizer.n_vocab))[tokenizer.vocab.eom_id])
+
+
+CONTINUED = [
+    # (the messages, continue_final_message as sent to llama.cpp's chat layer)
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The ring is"}], True),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "reasoning_content": "Let me think"}],
+     True),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "So", "reasoning_content": "Hm."}], True),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": [{"type": "text", "text": "One"}, {"type": "text", "text": "two"}]}],
+     "content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "reasoning_content": "Hm"}],
+     "reasoning_content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A", "reasoning_content": "B"},
+      {"role": "user", "content": "and?"}, {"role": "assistant", "content": "Well"}], True),
+]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", range(len(CONTINUED)))
+@pytest.mark.parametrize("reasoning", ["auto", "none"])
+def test_a_continued_answer_is_llama_cpp_s(oracle, f32_fixture, case, reasoning):
+    """An assistant message continued (llama-server's continue_final_message, and what its
+    prefill_assistant does with a last assistant message): the prompt equals llama.cpp's chat layer's
+    (the messages before it rendered without the generation prompt, then the answer's start with the
+    message in it), and answers generated after it read as llama.cpp's parser reads them (the message
+    continued within the answer)."""
+    from muse_mlx.chat_format import START, continuation, continued
+    from muse_mlx.server import message_text
+
+    messages, asked = CONTINUED[case]
+    rng = random.Random(f"continued-{case}")
+    texts = [_answer(rng)[:40] for _ in range(40)] + ["", " more<|eot|>", " and more", "<|eom|><|start|>assistant to=user<|message|>X"]
+    theirs = oracle.apply({"template": chat_oracle.template(), "bos": "<|bos|>", "eos": "<|eot|>",
+                           "messages": messages, "reasoning_format": reasoning, "add_generation_prompt": False,
+                           "continue_final_message": asked, "parse": texts})
+    mode = continuation({"messages": messages, "continue_final_message": asked, "add_generation_prompt": False}, True)
+    last = messages[-1]
+    prefill = continued(mode, last.get("reasoning_content") or "", message_text(last["content"], "\n\n"))
+    tok = MuseTokenizer(open_artifact(f32_fixture).vocabulary, (chat_oracle.template(), "muse-glimmer.jinja"))
+    shown = [{**m, "content": message_text(m["content"])} for m in messages[:-1]]
+    assert tok.apply_chat_template(shown, add_generation_prompt=False) + START + prefill == theirs["prompt"]
+    fmt = ChatFormat((), reasoning != "none", prefill=prefill)
+    for text, parsed in zip(texts, theirs["parsed"]):
+        mine = fmt.parse(text)
+        assert (None if mine is None else (mine.content, mine.reasoning, mine.tool_calls)) == _theirs(parsed), text
+
+
+def test_what_llama_server_refuses_of_a_continuation():
+    from muse_mlx.chat_format import continuation
+
+    user, asst = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}
+    assert continuation({"messages": [user]}, True) is None
+    assert continuation({"messages": [user, asst]}, False) is None   # --no-prefill-assistant
+    assert continuation({"messages": [user, asst]}, True) == "content"
+    assert continuation({"messages": [user, {"role": "assistant", "content": None, "reasoning_content": "r"}]},
+                        True) == "reasoning"
+    for body, says in [({"messages": [user, asst, asst]}, "2 or more assistant messages"),
+                       ({"messages": [user, asst], "continue_final_message": True}, "add_generation_prompt"),
+                       ({"messages": [user, asst], "continue_final_message": "all"}, "must be true, false"),
+                       ({"messages": [user, {"role": "assistant", "content": "", "tool_calls": [{}]}]}, "tool calls")]:
+        with pytest.raises(FormatError, match=says):
+            continuation(body, True)

@@ -425,7 +425,6 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"xtc_threshold": -1}, "xtc_threshold"),
     ({"dynatemp_range": -0.5}, "dynatemp_range"), ({"n_predict": -2}, "n_predict"),
     ({"dynatemp_exponent": "2"}, "dynatemp_exponent"),
-    ({"continue_final_message": True}, "continue_final_message"),
 ])
 def test_llama_server_completion_bad_requests(server, body, param):
     h = {"Authorization": f"Bearer {KEY}"}
@@ -1930,6 +1929,44 @@ def test_the_prompt_with_tools_and_calls_is_llama_cpp_s(muse_server, f32_fixture
             if tools:
                 request["tools"] = tools
             assert r.json()["prompt"] == oracle.apply(request)["prompt"], (tools is not None, messages)
+
+
+def test_a_last_assistant_message_is_continued(muse_server, f32_fixture):
+    """llama-server's prefill_assistant (its default) and continue_final_message: the prompt is llama.cpp's
+    chat layer's for the continuation (checked through /apply-template), the answer is that prompt's
+    greedy continuation read with the message in it (its content starts with the message's), and what
+    llama-server refuses is a 400 naming the field."""
+    import chat_oracle
+
+    oracle = chat_oracle.oracle()
+    if oracle is None:
+        pytest.skip("the chat oracle needs the pinned sdist, the parity extra and a C++ compiler")
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    user = {"role": "user", "content": "What is a ring?"}
+    for last, extra in [({"role": "assistant", "content": "A ring is"}, {}),
+                        ({"role": "assistant", "content": "", "reasoning_content": "Rings"}, {}),
+                        ({"role": "assistant", "content": "So", "reasoning_content": "Hm"},
+                         {"continue_final_message": "reasoning_content", "add_generation_prompt": False})]:
+        body = {"messages": [user, last], **extra}
+        prompt = httpx.post(muse_server + "/apply-template", json=body).json()["prompt"]
+        want = oracle.apply({"template": chat_oracle.template(), "bos": tok.vocab.tokens[tok.bos_id], "eos": "<|eot|>",
+                             "messages": [user, last], "add_generation_prompt": False,
+                             "continue_final_message": extra.get("continue_final_message", True)})
+        assert prompt == want["prompt"], last
+        r = httpx.post(muse_server + "/v1/chat/completions", json={**body, "max_tokens": 6, "temperature": 0}).json()
+        message = r["choices"][0]["message"]
+        if extra or not last["content"]:
+            assert (message.get("reasoning_content") or "").startswith(last["reasoning_content"]), message
+        else:
+            assert message["content"].startswith(last["content"]), message
+    for body, param in [({"messages": [user, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                         "messages"),
+                        ({"messages": [user], "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": [user], "continue_final_message": "everything", "add_generation_prompt": False},
+                         "continue_final_message"),
+                        ({"messages": [user, {"role": "assistant", "content": "a"}], "tools": MUSE_TOOLS}, "messages")]:
+        r = httpx.post(muse_server + "/v1/chat/completions", json={**body, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize("body, param", [

@@ -1,7 +1,8 @@
 // The pinned llama.cpp's chat layer as an oracle for muse_mlx/chat_format.py (tests/chat_oracle.py
 // builds it from the pinned sdist's common/ sources). One JSON request on stdin:
 //   {"template", "bos", "eos", "messages", "tools"?, "tool_choice"?, "parallel_tool_calls"?,
-//    "reasoning_format"?, "add_generation_prompt"?, "chat_template_kwargs"?, "parse"?: [texts]}
+//    "reasoning_format"?, "add_generation_prompt"?, "continue_final_message"?, "chat_template_kwargs"?,
+//    "parse"?: [texts]}
 // and one JSON answer on stdout: llama.cpp's prompt, grammar, lazy flag, triggers, preserved tokens,
 // generation prompt, and for each text to parse the message its parser makes (or {"error": ...}).
 #include "chat.h"
@@ -31,6 +32,9 @@ int main() {
         inputs.parallel_tool_calls = req.value("parallel_tool_calls", false);
         inputs.reasoning_format = common_reasoning_format_from_name(req.value("reasoning_format", std::string("auto")));
         inputs.add_generation_prompt = req.value("add_generation_prompt", true);
+        if (req.contains("continue_final_message")) {
+            inputs.continue_final_message = common_chat_continuation_parse(to_common(req.at("continue_final_message")));
+        }
         if (req.contains("chat_template_kwargs")) {
             for (const auto & item : req.at("chat_template_kwargs").items()) {
                 inputs.chat_template_kwargs[item.key()] = item.value().dump();
