@@ -233,6 +233,9 @@ class Sampler:
         self._suppress = tuple(suppress)
         self.constraint = constraint
         self._bias = self._counts = self._ring = None   # made at the first logits (their size is the vocabulary's)
+        # the logits the last pick drew from (llama-server's post-sampling probabilities); None: a greedy
+        # pick, where only the picked token was left
+        self.drawn: mx.array | None = None
         self._started = False
 
     def _start(self, n_vocab: int) -> None:
@@ -402,6 +405,7 @@ class Sampler:
             self._key, sub = mx.random.split(self._key)
             token = mx.random.categorical(kept, key=sub)
             self._mirostat.accept(kept, token)
+            self.drawn = kept
             self._accept(token)
             return token
         greedy = "temperature" in s.samplers and s.temp == 0 and s.dynatemp_range <= 0 and self._adaptive is None
@@ -416,15 +420,17 @@ class Sampler:
             draw = mx.random.uniform(key=xtc_key)
         logits = self._chain(logits, order, draw)
         if greedy:
-            token = mx.argmax(logits)
+            token, self.drawn = mx.argmax(logits), None
         else:
             self._key, sub = mx.random.split(self._key)
             if self._adaptive is not None:
                 reshaped, p = self._adaptive.reshaped(logits)
                 token = mx.random.categorical(reshaped, key=sub)
                 self._adaptive.accept(p, token)
+                self.drawn = reshaped
             else:
                 token = mx.random.categorical(logits, key=sub)
+                self.drawn = logits
         self._accept(token)
         return token
 

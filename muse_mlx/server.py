@@ -281,9 +281,9 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
-    # llama-server's probabilities after sampling, its filters' floor of tokens kept, its grammar
+    # llama-server's filters' floor of tokens kept, its grammar
     # triggered from the client's own triggers, its indentation, time limit and reasoning budget
-    "post_sampling_probs": (False,), "min_keep": (0,), "grammar_lazy": (False,), "grammar_triggers": ([],),
+    "min_keep": (0,), "grammar_lazy": (False,), "grammar_triggers": ([],),
     "preserved_tokens": ([],), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "reasoning_budget_tokens": (-1,),
 }
 # What a chat request gives its template itself: `chat_template_kwargs` may not set these.
@@ -845,7 +845,7 @@ class App:
                                    "tokens": [ev["token"]] if "token" in ev else [], "stop": False,
                                    "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": prompt_n}
                             if "token" in ev and req.logprobs is not None:
-                                out["completion_probabilities"] = [self._llama_prob(ev)]
+                                out["completion_probabilities"] = [self._llama_prob(ev, req.post_sampling)]
                             yield {"data": json.dumps(out)}
                 finally:
                     if not finished:
@@ -859,7 +859,8 @@ class App:
             return got
         (evs, last), = got
         tokens = [e["token"] for e in evs if "token" in e]
-        probs = [self._llama_prob(e) for e in evs if "token" in e] if req.logprobs is not None else None
+        probs = ([self._llama_prob(e, req.post_sampling) for e in evs if "token" in e] if req.logprobs is not None
+                 else None)
         return JSONResponse(final(last, "".join(e.get("text", "") for e in evs), tokens if return_tokens else [],
                                   probs))
 
@@ -1193,6 +1194,7 @@ class App:
         _boolean(body, "stream")
         _boolean(body, "cache_prompt", True)   # llama-server's: a prompt's reuse here is automatic
         ignore_eos = _boolean(body, "ignore_eos")
+        post_sampling = _boolean(body, "post_sampling_probs")
         if not ids:
             raise BadRequest("the prompt is empty", "prompt" if not chat else "messages")
         if len(ids) > context:
@@ -1204,7 +1206,7 @@ class App:
         reqs = [Request(ids, max_tokens, replace(sampling, seed=sampling.seed + i),
                         lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
                         logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos,
-                        prompt_logprobs=prompt_logprobs,
+                        prompt_logprobs=prompt_logprobs, post_sampling=post_sampling,
                         constraint=constraint if i == 0 or constraint is None else constraint.copy(),
                         dry_breakers=breakers,
                         shown=self._shown if fmt is not None else frozenset())
@@ -1259,6 +1261,9 @@ class App:
         answer is read into its reasoning, content and tool calls (None: the text is the content)."""
         from starlette.responses import JSONResponse
 
+        if not chat and _boolean(body, "post_sampling_probs"):
+            return self.error("'post_sampling_probs' is served on /completion and /v1/chat/completions",
+                              400, "post_sampling_probs")
         try:
             reqs, events = self._submit(body, ids, logprobs, chat,
                                         prompt_logprobs=logprobs if echo and logprobs is not None else None,
@@ -1287,7 +1292,8 @@ class App:
                 choice["message"] = self._chat_message(answer)
                 if answer.tool_calls and last["finish_reason"] == "stop":
                     choice["finish_reason"] = "tool_calls"
-                choice["logprobs"] = {"content": [self._chat_lp(e) for e in lps]} if logprobs is not None else None
+                choice["logprobs"] = ({"content": [self._chat_lp(e, reqs[index].post_sampling) for e in lps]}
+                                      if logprobs is not None else None)
             else:
                 choice["text"] = content
                 choice["logprobs"] = self._completion_lps(lps) if logprobs is not None else None
@@ -1326,7 +1332,7 @@ class App:
                     delta = {"role": "assistant"} if role else ({"content": delta_text} if delta_text else {})
                 c = {"index": index, "delta": delta, "finish_reason": finish}
                 if ev is not None and logprobs is not None:
-                    c["logprobs"] = {"content": [self._chat_lp(ev)]}
+                    c["logprobs"] = {"content": [self._chat_lp(ev, reqs[index].post_sampling)]}
             else:
                 c = {"index": index, "text": delta_text or "", "finish_reason": finish}
                 if (ev is not None or evs is not None) and logprobs is not None:
@@ -1390,16 +1396,23 @@ class App:
         raw = self.tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def _llama_prob(self, ev: dict) -> dict:
-        """A token's entry of llama-server's `completion_probabilities` (log-probs of the model's
-        distribution before sampling, its post_sampling_probs = false)."""
+    def _llama_prob(self, ev: dict, post_sampling: bool = False) -> dict:
+        """A token's entry of llama-server's `completion_probabilities`: log-probs of the model's
+        distribution before sampling, or with its post_sampling_probs the probabilities of what the
+        pick drew from (`prob`, `top_probs`: the candidates the chain left, most likely first)."""
+        key = "prob" if post_sampling else "logprob"
+
         def entry(t: int, lp: float) -> dict:
             text, raw = self._token_text(t)
-            return {"id": t, "token": text, "bytes": raw, "logprob": lp}
-        return {**entry(ev["token"], ev["logprob"]),
-                "top_logprobs": [entry(t, lp) for t, lp in ev.get("top_logprobs", [])]}
+            return {"id": t, "token": text, "bytes": raw, key: math.exp(lp) if post_sampling else lp}
+        top = ev.get("top_logprobs", [])
+        if post_sampling:   # llama-server leaves out the candidates of probability 0
+            top = [(t, lp) for t, lp in top if lp != -math.inf]
+        return {**entry(ev["token"], ev["logprob"]), f"top_{key}s": [entry(t, lp) for t, lp in top]}
 
-    def _chat_lp(self, ev: dict) -> dict:
+    def _chat_lp(self, ev: dict, post_sampling: bool = False) -> dict:
+        if post_sampling:   # llama-server's entry then (probs_vector_to_json) on every route
+            return self._llama_prob(ev, True)
         text, raw = self._token_text(ev["token"])
         top = [{"token": self._token_text(t)[0], "logprob": lp, "bytes": self._token_text(t)[1]}
                for t, lp in ev.get("top_logprobs", [])]

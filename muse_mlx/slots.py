@@ -105,6 +105,7 @@ class Request:
     constraint: object = None            # a grammar the output follows (grammar.Constraint), this request's own
     shown: frozenset = frozenset()       # control tokens whose text the output shows (a chat format's markup)
     dry_breakers: dict | None = None     # DRY's breakers as tokens (MuseTokenizer.dry_breakers; None: made here)
+    post_sampling: bool = False          # log-probs of what the pick drew from, not of the model (llama-server's)
     # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
     # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
     leader: "Request | None" = None
@@ -406,7 +407,8 @@ class Scheduler:
     @staticmethod
     def _picks(slot: Slot) -> tuple:
         """The next token of `slot` from its logits, lazily: (token, all finite, and with logprobs
-        asked for, the token's log-prob, then the top k's ids and log-probs in no order). The top k
+        asked for, the token's log-prob, then the top k's ids and log-probs in no order; the model's,
+        or with `post_sampling` those of what the pick drew from). The top k
         are found on the device (argpartition), so the host reads k + 1 values a token, not the
         vocabulary's (sorting 202,048 log-probs on the host took ~14 ms a slot a token)."""
         token = slot.sampler.token(slot.logits)
@@ -414,7 +416,12 @@ class Scheduler:
         k = slot.request.logprobs
         if k is None:
             return token, finite
-        lp = slot.logits.reshape(-1) - mx.logsumexp(slot.logits)
+        if slot.request.post_sampling:   # what the pick drew from: after the chain (a greedy pick: itself alone)
+            drawn = slot.sampler.drawn
+            lp = (mx.where(mx.arange(slot.logits.size) == token, 0.0, -mx.inf) if drawn is None
+                  else drawn - mx.logsumexp(drawn))
+        else:
+            lp = slot.logits.reshape(-1) - mx.logsumexp(slot.logits)
         k = min(k, lp.size)
         if not k:
             return token, finite, lp[token]

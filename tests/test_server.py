@@ -380,6 +380,39 @@ def test_llama_server_completion_probabilities(server, f32_fixture):
     assert [c["completion_probabilities"] for c in chunks[:-1]] == [[p] for p in probs]
 
 
+def test_post_sampling_probabilities(server, client, f32_fixture):
+    """llama-server's post_sampling_probs: each token's `prob` and `top_probs` are those of what the
+    pick drew from. Greedy, the picked token alone at 1; at temperature 1.3 after top-k 4, the
+    float64 softmax of the four best logits over 1.3 (teacher-forced in process), most likely first;
+    on the chat route the same entries; on /v1/completions a 400 naming it."""
+    from muse_mlx.tools.oracle import log_softmax
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = prompt_ids(10, 65)
+    greedy = httpx.post(server + "/completion", headers=h, timeout=120, json={
+        "prompt": ids, "temperature": 0, "n_predict": 4, "n_probs": 3, "post_sampling_probs": True}).json()
+    for p in greedy["completion_probabilities"]:
+        assert p["prob"] == 1.0 and [(t["id"], t["prob"]) for t in p["top_probs"]] == [(p["id"], 1.0)], p
+    hot = httpx.post(server + "/completion", headers=h, timeout=120, json={
+        "prompt": ids, "temperature": 1.3, "top_k": 4, "seed": 2, "n_predict": 6, "n_probs": 5,
+        "post_sampling_probs": True, "return_tokens": True}).json()
+    model = load(f32_fixture, backend="reference")
+    logits = np.array(model.prefill(ids + hot["tokens"][:-1], model.make_cache(CTX), all_logits=True), dtype=np.float64)
+    for step, p in enumerate(hot["completion_probabilities"]):
+        row = logits[len(ids) - 1 + step]
+        best = np.argsort(-row, kind="stable")[:4]
+        want = np.exp(log_softmax(row[best] / 1.3))
+        assert [t["id"] for t in p["top_probs"]] == [int(i) for i in best], step
+        assert np.allclose([t["prob"] for t in p["top_probs"]], want, atol=1e-5)
+        assert p["id"] in best and abs(p["prob"] - want[list(best).index(p["id"])]) < 1e-5
+    chat = httpx.post(server + "/v1/chat/completions", headers=h, timeout=120, json={
+        "messages": [{"role": "user", "content": "a ring?"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2, "post_sampling_probs": True}).json()
+    assert all(e["prob"] == 1.0 and len(e["top_probs"]) == 1 for e in chat["choices"][0]["logprobs"]["content"])
+    r = httpx.post(server + "/v1/completions", headers=h, json={"prompt": ids, "post_sampling_probs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs", r.text
+
+
 def test_mixed_prompts(server, solo, f32_fixture):
     """llama-server's prompt forms, on /completion and /v1/completions alike: ids and strings mixed
     in one list (only a string at its start takes the BOS), a list holding one prompt; several
@@ -411,7 +444,7 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"logit_bias": [[1, True]]}, "logit_bias"), ({"logit_bias": [[1]]}, "logit_bias"),
     ({"logit_bias": [["a", 1]]}, "logit_bias"), ({"logit_bias": [[1, 101]]}, "logit_bias"),
     ({"logit_bias": [[1, 60], [1, 60]]}, "logit_bias"), ({"logit_bias": [[10**6, 1]]}, "logit_bias"),
-    ({"post_sampling_probs": True}, "post_sampling_probs"), ({"mirostat": 3}, "mirostat"),
+    ({"post_sampling_probs": 1}, "post_sampling_probs"), ({"mirostat": 3}, "mirostat"),
     ({"mirostat_tau": "5"}, "mirostat_tau"), ({"mirostat_eta": None, "mirostat": 1.5}, "mirostat"),
     ({"samplers": ["top_k", "bogus"]}, "samplers"), ({"samplers": "ki"}, "samplers"), ({"samplers": 3}, "samplers"),
     ({"adaptive_target": "0.5"}, "adaptive_target"), ({"min_keep": 2}, "min_keep"), ({"grammar_lazy": True}, "grammar_lazy"),
