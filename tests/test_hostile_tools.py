@@ -550,11 +550,21 @@ def test_bench_serving_warm_cell_on_the_cpu(f32_fixture, tmp_path):
     assert len(cell["cold_ttft_s"]["samples"]) == 1 and cell["repeat_ttft_s"]["mean"] > 0
 
 
-@pytest.mark.parametrize("constraint", ["none", "text", "lazy"])
+@pytest.mark.parametrize("constraint", ["none", "text", "lazy", "dry"])
 def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, constraint, monkeypatch):
     """The engine-loop cell end to end on the reference backend (a smoke run: the numbers mean
     nothing on the CPU): every request gets its first token and its tokens, the receipt holds them;
-    with --sched-constraint each request holds its own grammar (the text one's tokens are its words)."""
+    with --sched-constraint each request holds its own grammar (the text one's tokens are its words),
+    or with `dry` its own DRY state (each sampler made paced)."""
+    from muse_mlx import slots
+
+    samplers = []
+
+    class Recorded(slots.Sampler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            samplers.append(self)
+    monkeypatch.setattr(slots, "Sampler", Recorded)
     made, texts = [], []   # each request's constraint, and the text of the tokens it read
     maker = bench_serving.constraint_maker
 
@@ -585,7 +595,9 @@ def test_bench_serving_engine_loop_cell_on_the_cpu(f32_fixture, tmp_path, constr
     assert cell["slots"] == 2 and len(cell["runs"]) == 2 and cell["constraint"] == constraint
     for run in cell["runs"]:
         assert all(t is not None and t > 0 for t in run["ttft_s"]) and all(1 <= g <= 5 for g in run["generated"])
-    assert len(made) == (0 if constraint == "none" else 6) and len({id(c) for c in made}) == len(made)
+    assert len(made) == (0 if constraint in ("none", "dry") else 6) and len({id(c) for c in made}) == len(made)
+    assert len(samplers) == 6 and all(s.paced == (constraint != "none") for s in samplers)
+    assert all(s.settings.dry == (constraint == "dry") for s in samplers)
     if constraint == "text":   # each read the tokens it allowed: lowercase words
         assert all(re.fullmatch(r"[a-z]+( [a-z]+)* ?", t) for t in texts), texts
 

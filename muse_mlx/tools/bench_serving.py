@@ -21,7 +21,9 @@ step over 1..4 slots (issue 16), with a receipt.
   tokens counted as they came). --sched-constraint gives every request a grammar: `lazy`, the
   muse-glimmer tool-call grammar a request with tools gets (held from llama.cpp's trigger on; the
   random weights never write it, so this is the cost of a grammar waiting), or `text`, a GBNF of
-  lowercase words held from the first token (each pick masked on the host).
+  lowercase words held from the first token (each pick masked on the host); `dry` gives each
+  request llama.cpp's DRY penalty instead (multiplier 0.8, its defaults otherwise), which reads each
+  token on the host as a grammar does.
 
 The K/V rows are random f16 (SlotCache.fill_random): timing depends on sizes, not values; the
 numbers are as synthetic as the GGUF they run on.
@@ -231,7 +233,7 @@ CONSTRAINT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "pa
 
 def constraint_maker(kind: str, tokenizer):
     """A callable giving each request its own constraint of this --sched-constraint kind, or None."""
-    if kind == "none":
+    if kind in ("none", "dry"):
         return None
     from .. import chat_format
     from ..grammar import Grammars
@@ -245,7 +247,7 @@ def constraint_maker(kind: str, tokenizer):
 
 
 def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps: int = 2,
-                   constraint=None) -> dict:
+                   constraint=None, dry: bool = False) -> dict:
     """The server's engine loop (slots.Scheduler, no HTTP) with `slots` slots: as many requests of
     `prompt` random token ids and `tokens` greedy tokens, submitted at once (llama-batched-bench's
     -npp prompt -ntg tokens -npl slots). Per repetition: each request's time to its first token
@@ -254,7 +256,8 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
     request's tokens (median, the largest and at which tokens, how many over twice the median),
     Python's garbage collections meanwhile (count and pause by generation) and MLX's memory
     (active, cached, peak) at its start and end: what a slow repetition was made of. constraint: a
-    callable giving each request its grammar (constraint_maker), or None."""
+    callable giving each request its grammar (constraint_maker), or None; dry: each request with
+    llama.cpp's DRY penalty (multiplier 0.8)."""
     import gc
     import threading
 
@@ -287,7 +290,7 @@ def scheduler_cell(model, tokenizer, slots: int, prompt: int, tokens: int, reps:
                     times[i].append(time.perf_counter())
                 if "finish_reason" in e or "error" in e:
                     done[i].set()
-            sched.submit(Request(ids, tokens, SamplerSettings(), emit,
+            sched.submit(Request(ids, tokens, SamplerSettings(dry_multiplier=0.8 if dry else 0.0), emit,
                                  constraint=constraint() if constraint is not None else None))
         for d in done:
             d.wait()
@@ -391,9 +394,9 @@ def _command(argv=None) -> int:
     p.add_argument("--sched-tokens", type=int, default=128, help="greedy tokens of each engine-loop request")
     p.add_argument("--sched-reps", type=int, default=2, help="timed repetitions of each engine-loop cell (>= 1), "
                    "after one untimed")
-    p.add_argument("--sched-constraint", choices=("none", "lazy", "text"), default="none",
+    p.add_argument("--sched-constraint", choices=("none", "lazy", "text", "dry"), default="none",
                    help="a grammar on every engine-loop request: lazy (the tool-call grammar, from its trigger on) "
-                        "or text (from the first token)")
+                        "or text (from the first token); or dry: llama.cpp's DRY penalty on each")
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--workdir", help="where packs are written (default: a temporary folder)")
     p.add_argument("--receipt")
@@ -465,7 +468,7 @@ def _command(argv=None) -> int:
             constraint = constraint_maker(args.sched_constraint, tokenizer)
         for n in sched_slots:
             cell = scheduler_cell(model, tokenizer, n, args.sched_prompt, args.sched_tokens, args.sched_reps,
-                                  constraint)
+                                  constraint, args.sched_constraint == "dry")
             cell["constraint"] = args.sched_constraint
             metrics["scheduler"].append(cell)
             agg, ttft = cell["aggregate_tok_s"], cell["ttft_s"]

@@ -8,8 +8,9 @@
 #   final  call 3 (carry .device/revision): with the build done, the engine loop (SCHED slots) and
 #          the packed step, in turn: the default; llama-batched-bench; mma_q4k_prefetch=1; the
 #          default under MLX_MAX_MB_PER_BUFFER=100000; the default with --sched-constraint lazy,
-#          then text; the default again (STEPS names them: "default-1 llama pf1-1 mb-1 lazy-1
-#          text-1 default-2"; a later call may take the rest).
+#          then text, then --sched-constraint dry (DRY on every request); the default again (STEPS
+#          names them: "default-1 llama pf1-1 mb-1 lazy-1 text-1 dry-1 default-2"; a later call may
+#          take the rest).
 # STOP_AFTER (seconds from the call's start): no step starts after it, and each step's timeout is
 # cut to what is left. Writes to $OUT: nvidia-smi.txt, make-gguf.log, gpu-tests.log,
 # verification.json, packed-TAG-PASS.json / .log (lean), sched-TAG.json / .log,
@@ -56,7 +57,7 @@ final)
   [ -f $G ] || { echo "no $G: run the lean call first"; exit 1; }
   for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] || [ ! -d /tmp/llama ] && break; sleep 5; done
   echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null) at $(( $(date +%s) - T0 )) s"
-  for step in ${STEPS:-default-1 llama pf1-1 mb-1 lazy-1 text-1 default-2}; do
+  for step in ${STEPS:-default-1 llama pf1-1 mb-1 lazy-1 text-1 dry-1 default-2}; do
     case $step in
     llama)
       B=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -70,6 +71,7 @@ final)
     mb-*) sched $step "" none MLX_MAX_MB_PER_BUFFER=100000 || break ;;
     lazy-*) sched $step "" lazy || break ;;
     text-*) sched $step "" text || break ;;
+    dry-*) sched $step "" dry || break ;;
     *) echo "unknown step $step" ;;
     esac
   done
