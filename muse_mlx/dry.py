@@ -21,6 +21,7 @@ import numpy as np
 MAX_BREAKER_BYTES = 40   # llama.cpp truncates a breaker to 40 bytes ...
 MAX_TAIL_TOKENS = 20     # ... and the tokens of what follows its head in a token to 20
 FLOAT_MAX_LOG = np.float32(88.7228391)   # ~log(FLT_MAX): the exponent's clamp, as llama.cpp computes it
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def sequence_breakers(pieces: list[bytes], encode, breakers) -> dict[int, tuple[tuple[int, ...], ...]]:
@@ -144,4 +145,6 @@ class Dry:
             exponent = np.minimum(exponent, self.max_exponent)
         # float * std::pow(float, int) is double arithmetic in C++, rounded to float once
         values = (np.float64(self.multiplier) * np.power(np.float64(self.base), exponent.astype(np.float64)))
-        return ids, values.astype(np.float32)
+        # past float32's range llama.cpp's penalty is an infinity (a negative multiplier then makes a
+        # logit +inf and its softmax NaN); here it stops at the largest float32
+        return ids, np.clip(values, -FLOAT32_MAX, FLOAT32_MAX).astype(np.float32)

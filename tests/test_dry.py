@@ -180,3 +180,19 @@ def test_generate_dry_flags(f32_fixture):
     dry = run("--dry-multiplier", "40", "--dry-allowed-length", "1")
     assert plain.returncode == 0 and dry.returncode == 0, dry.stderr
     assert dry.stdout != plain.stdout
+
+
+def test_a_penalty_past_float32_stops_at_its_largest():
+    """multiplier x base^n past float32's range: llama.cpp's penalty is infinite (with a negative
+    multiplier a logit then becomes +inf and the softmax NaN); here it is the largest float32, and the
+    pick stays a token of the vocabulary."""
+    big = np.finfo(np.float32).max
+    for multiplier in (1e6, -1e6):
+        d = Dry(multiplier, 1e6, 0, 64, {}, [1, 2, 3] * 10)
+        ids, values = d.penalties()
+        assert np.isfinite(values).all() and np.abs(values).max() == big
+        s = Sampler(SamplerSettings(temp=1.0, dry_multiplier=multiplier, dry_base=1e6, dry_allowed_length=0),
+                    [1, 2, 3] * 10)
+        logits = mx.array(np.zeros(16, dtype=np.float32))
+        assert 0 <= int(s.token(logits).item()) < 16
+        assert not np.isnan(np.array(s.chain(logits))).any()

@@ -413,6 +413,32 @@ def test_post_sampling_probabilities(server, client, f32_fixture):
     assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs", r.text
 
 
+SAMPLING_FIELDS = ["temperature", "top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability",
+                   "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "seed", "repeat_penalty", "repeat_last_n",
+                   "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
+                   "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta",
+                   "samplers", "adaptive_target", "adaptive_decay", "post_sampling_probs", "n_probs", "logit_bias"]
+
+
+def test_sampling_fields_fuzzed_never_a_server_error(server):
+    """300 /completion requests, each with 1-4 sampling fields at random values (numbers of every size
+    and sign, strings, lists, objects, booleans, null): each answer is a 200 or a 400 naming one of
+    the fields it sent, never a 5xx; the server is healthy after."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    rng = np.random.default_rng(1205)
+    values = [0, 1, -1, 2, 3, 0.5, -0.5, 1e-30, 1e30, 2 ** 31, -(2 ** 63), 1.75, 100, "x", "", "ki", "kpt", "edskypmxt",
+              [], ["top_k"], ["temperature", "adaptive_p"], ["\n", ":"], [""], ["a"] * 20, [[1, 2.5]], [[1, False]],
+              {"1": 3}, {}, True, False, None, [1, "x"], "\u00e9" * 50]
+    for i in range(300):
+        fields = rng.choice(SAMPLING_FIELDS, int(rng.integers(1, 5)), replace=False)
+        body = {"prompt": prompt_ids(5, i), "n_predict": 2, **{f: values[int(rng.integers(len(values)))] for f in fields}}
+        r = httpx.post(server + "/completion", headers=h, timeout=120, json=body)
+        assert r.status_code in (200, 400), (body, r.status_code, r.text[:300])
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] in set(fields) | {"prompt"}, (body, r.text[:300])
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
 def test_mixed_prompts(server, solo, f32_fixture):
     """llama-server's prompt forms, on /completion and /v1/completions alike: ids and strings mixed
     in one list (only a string at its start takes the BOS), a list holding one prompt; several
