@@ -281,9 +281,9 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
-    # llama-server's filters' floor of tokens kept, its grammar
+    # llama-server's filters' floor of tokens kept, its LoRA adapters, its grammar
     # triggered from the client's own triggers, its indentation, time limit and reasoning budget
-    "min_keep": (0,), "grammar_lazy": (False,), "grammar_triggers": ([],),
+    "min_keep": (0,), "lora": ([],), "grammar_lazy": (False,), "grammar_triggers": ([],),
     "preserved_tokens": ([],), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "reasoning_budget_tokens": (-1,),
 }
 # What a chat request gives its template itself: `chat_template_kwargs` may not set these.
@@ -1190,7 +1190,7 @@ class App:
             max_tokens = default_max
         sampling = sampling_of(with_defaults(body, self.defaults), self.scheduler.model.geometry.n_vocab)
         stops = stops_of(body)
-        n = _integer(body, "n", 1, 1, n_max)
+        n = _integer(body, "n_cmpl" if body.get("n_cmpl") is not None else "n", 1, 1, n_max)   # n_cmpl: llama-server's name
         _boolean(body, "stream")
         _boolean(body, "cache_prompt", True)   # llama-server's: a prompt's reuse here is automatic
         ignore_eos = _boolean(body, "ignore_eos")

@@ -474,7 +474,7 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"mirostat_tau": "5"}, "mirostat_tau"), ({"mirostat_eta": None, "mirostat": 1.5}, "mirostat"),
     ({"samplers": ["top_k", "bogus"]}, "samplers"), ({"samplers": "ki"}, "samplers"), ({"samplers": 3}, "samplers"),
     ({"adaptive_target": "0.5"}, "adaptive_target"), ({"min_keep": 2}, "min_keep"), ({"grammar_lazy": True}, "grammar_lazy"),
-    ({"n_indent": 4}, "n_indent"), ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
+    ({"n_indent": 4}, "n_indent"), ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"), ({"n_cmpl": 99}, "n_cmpl"), ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
     ({"reasoning_budget_tokens": 0}, "reasoning_budget_tokens"), ({"preserved_tokens": ["<x>"]}, "preserved_tokens"),
     ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": "0.8"}, "dry_multiplier"),
     ({"dry_allowed_length": -1}, "dry_allowed_length"), ({"dry_penalty_last_n": 1.5}, "dry_penalty_last_n"),
@@ -574,6 +574,8 @@ def test_n_choices(client, server, solo):
     r = client.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {solo(ids, 10)}
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (13, 30, 43)
+    r2 = client.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0, extra_body={"n_cmpl": 2})
+    assert [c.text for c in r2.choices] == [solo(ids, 10)] * 2   # llama-server's name for n
     # the first choice prefills the prompt; the second, with the other slot idle then, takes a copy of
     # it; the third waits for a slot and prefills it itself
     assert [c.model_extra["timings"]["cache_n"] for c in r.choices] == [0, 13, 0]
