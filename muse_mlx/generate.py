@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive-p: draw tokens near this probability, where --samplers names adaptive_p "
                         "(llama.cpp's; negative: as they are)")
     p.add_argument("--adaptive-decay", type=float, default=0.9, help="adaptive-p's moving average decay (default 0.9)")
+    p.add_argument("--min-keep", type=int, default=0,
+                   help="typical-p, top-p and min-p keep at least this many tokens, XTC leaves as many (llama.cpp's)")
     add_samplers_flags(p)
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
                    help="add BIAS to a token's logit, as llama.cpp takes it (e.g. 15043+1, 15043-inf); repeatable")
@@ -306,7 +308,8 @@ def run(argv: list[str] | None = None) -> int:
                                dry_sequence_breakers=breakers_of_flags(args.dry_sequence_breaker),
                                mirostat=args.mirostat, mirostat_tau=args.mirostat_ent, mirostat_eta=args.mirostat_lr,
                                samplers=samplers_flags(args) or DEFAULT_SAMPLERS,
-                               adaptive_target=args.adaptive_target, adaptive_decay=args.adaptive_decay)
+                               adaptive_target=args.adaptive_target, adaptive_decay=args.adaptive_decay,
+                               min_keep=args.min_keep)
     problems = settings.problems()
     if args.max_tokens < 0:
         problems.append(f"--max-tokens must be >= 0, got {args.max_tokens}")

@@ -103,6 +103,7 @@ class SamplerSettings:
     # the chain's order (llama.cpp's samplers: a sampler left out is not applied; `adaptive_p` named
     # anywhere makes the final draw adaptive-p's, adaptive_p.py)
     samplers: tuple = DEFAULT_SAMPLERS
+    min_keep: int = 0   # llama.cpp's: typical-p, top-p and min-p keep at least this many tokens, XTC leaves as many
     adaptive_target: float = -1.0   # < 0: adaptive-p draws from the candidates as they are
     adaptive_decay: float = 0.9
 
@@ -158,6 +159,8 @@ class SamplerSettings:
         for name, v in (("--mirostat-ent", self.mirostat_tau), ("--mirostat-lr", self.mirostat_eta)):
             if not math.isfinite(v):
                 p.append(f"{name} must be finite, got {v}")
+        if self.min_keep < 0:
+            p.append(f"--min-keep must be >= 0, got {self.min_keep}")
         unknown = [n for n in self.samplers if n not in SAMPLER_CHARS.values()]
         if unknown:
             p.append(f"--samplers: {unknown[0]!r} is not one of {', '.join(sorted(SAMPLER_CHARS.values()))}")
@@ -332,7 +335,7 @@ class Sampler:
         where it is read)."""
         s = self.settings
         neg_inf = mx.array(-float("inf"), dtype=mx.float32)
-        count = s.dynatemp_range > 0
+        count = s.dynatemp_range > 0 or s.min_keep > 0   # (min_keep: top-p and XTC read the list's size)
         if name == "top_n_sigma" and s.top_n_sigma > 0:   # within n standard deviations (of the finite ones) of the best
             valid = logits > neg_inf
             n_valid = mx.sum(valid)
@@ -350,7 +353,7 @@ class Sampler:
             shifted = mx.where(probs > 0, mx.abs(-logp - entropy), mx.inf)
             order = mx.argsort(shifted)
             ranked = probs[order]
-            n_keep = mx.maximum(mx.sum(mx.cumsum(ranked) - ranked <= s.typical_p), 1)   # through the one passing it
+            n_keep = mx.maximum(mx.sum(mx.cumsum(ranked) - ranked <= s.typical_p), max(1, s.min_keep))   # through the one passing it
             logits = mx.where(shifted <= shifted[order[n_keep - 1]], logits, neg_inf)
             size = n_keep if count else size
         elif name == "top_p" and s.top_p < 1.0:
@@ -358,17 +361,24 @@ class Sampler:
             probs = mx.softmax(ordered, precise=True)
             before = mx.cumsum(probs) - probs          # mass strictly above each token
             n_keep = mx.sum(before < s.top_p)          # >= 1: the first token is always kept
+            if s.min_keep > 1:
+                n_keep = mx.minimum(mx.maximum(n_keep, s.min_keep), size)
             threshold = ordered[n_keep - 1]
             logits = mx.where(logits >= threshold, logits, neg_inf)
             size = mx.minimum(n_keep, size) if count else size
         elif name == "min_p" and s.min_p > 0.0:   # p >= min_p * p_max, as llama.cpp tests it: in logits
             kept = logits >= logits.max() + float(np.log(np.float32(s.min_p)))
+            if s.min_keep > 1:   # fewer kept: the best min_keep instead
+                kth = mx.sort(logits)[-min(s.min_keep, logits.shape[-1])]
+                kept = mx.where(mx.sum(kept) >= s.min_keep, kept, logits >= kth)
             logits, size = mx.where(kept, logits, neg_inf), mx.sum(kept) if count else size
         elif name == "xtc" and self.xtc:   # the likely tokens but the least likely of them out, when two or more are
             probs = mx.softmax(logits, precise=True)
             likely = probs >= s.xtc_threshold
             least = mx.min(mx.where(likely, probs, mx.inf))
             cut = likely & (probs > least) & (mx.sum(likely) >= 2)
+            if s.min_keep > 0:   # only where as many candidates stay (llama.cpp: size - pos_last >= min_keep)
+                cut = cut & (size - (mx.sum(likely) - 1) >= s.min_keep)
             if xtc_draw is not None:
                 cut = cut & (xtc_draw <= s.xtc_probability)
             logits, size = mx.where(cut, neg_inf, logits), size - mx.sum(cut) if count else size

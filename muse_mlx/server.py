@@ -133,7 +133,8 @@ SAMPLING_FLAGS = (("--temp", "temperature", float), ("--top-k", "top_k", int), (
                   ("--dry-base", "dry_base", float), ("--dry-allowed-length", "dry_allowed_length", int),
                   ("--dry-penalty-last-n", "dry_penalty_last_n", int), ("--mirostat", "mirostat", int),
                   ("--mirostat-lr", "mirostat_eta", float), ("--mirostat-ent", "mirostat_tau", float),
-                  ("--adaptive-target", "adaptive_target", float), ("--adaptive-decay", "adaptive_decay", float))
+                  ("--adaptive-target", "adaptive_target", float), ("--adaptive-decay", "adaptive_decay", float),
+                  ("--min-keep", "min_keep", int))
 MAX_DRY_BREAKERS = 16   # texts of one request's dry_sequence_breakers (each new one: a pass over the vocabulary, ~0.15 s)
 
 
@@ -172,7 +173,8 @@ def sampling_of(body: dict, n_vocab: int) -> SamplerSettings:
                            mirostat_eta=_number(body, "mirostat_eta", 0.1, -1e6, 1e6),
                            samplers=samplers_field(body),
                            adaptive_target=_number(body, "adaptive_target", -1.0, -1e6, 1e6),
-                           adaptive_decay=_number(body, "adaptive_decay", 0.9, -1e6, 1e6))
+                           adaptive_decay=_number(body, "adaptive_decay", 0.9, -1e6, 1e6),
+                           min_keep=_integer(body, "min_keep", 0, 0, 1 << 30))
 
 
 def samplers_field(body: dict) -> tuple[str, ...]:
@@ -281,9 +283,9 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
-    # llama-server's filters' floor of tokens kept, its LoRA adapters, its grammar
+    # llama-server's LoRA adapters, its grammar
     # triggered from the client's own triggers, its indentation, time limit and reasoning budget
-    "min_keep": (0,), "lora": ([],), "grammar_lazy": (False,), "grammar_triggers": ([],),
+    "lora": ([],), "grammar_lazy": (False,), "grammar_triggers": ([],),
     "preserved_tokens": ([],), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "reasoning_budget_tokens": (-1,),
 }
 # What a chat request gives its template itself: `chat_template_kwargs` may not set these.

@@ -283,10 +283,10 @@ def llama_sampler(L, name: str, s: SamplerSettings, V: int):
                                                                 s.frequency_penalty, s.presence_penalty),
             "top_n_sigma": lambda: L.llama_sampler_init_top_n_sigma(s.top_n_sigma),
             "top_k": lambda: L.llama_sampler_init_top_k(s.top_k),
-            "typ_p": lambda: L.llama_sampler_init_typical(s.typical_p, 0),
-            "top_p": lambda: L.llama_sampler_init_top_p(s.top_p, 0),
-            "min_p": lambda: L.llama_sampler_init_min_p(s.min_p, 0),
-            "xtc": lambda: L.llama_sampler_init_xtc(s.xtc_probability, s.xtc_threshold, 0, 1234),
+            "typ_p": lambda: L.llama_sampler_init_typical(s.typical_p, s.min_keep),
+            "top_p": lambda: L.llama_sampler_init_top_p(s.top_p, s.min_keep),
+            "min_p": lambda: L.llama_sampler_init_min_p(s.min_p, s.min_keep),
+            "xtc": lambda: L.llama_sampler_init_xtc(s.xtc_probability, s.xtc_threshold, s.min_keep, 1234),
             "temperature": lambda: L.llama_sampler_init_temp_ext(s.temp, s.dynatemp_range, s.dynatemp_exponent),
             "adaptive_p": lambda: L.llama_sampler_init_adaptive_p(s.adaptive_target, s.adaptive_decay, 99)}[name]()
 
@@ -313,6 +313,12 @@ ORDERS = {
     "penalties-last": SamplerSettings(temp=0.8, top_k=30, repeat_penalty=1.4, presence_penalty=0.5,
                                       samplers=("top_k", "temperature", "penalties")),
     "no-temperature": SamplerSettings(temp=0.0, top_k=20, typical_p=0.8, samplers=("typ_p", "top_k")),
+    # llama.cpp's min_keep: each filter keeps (or XTC leaves) at least this many
+    "min-keep-p": SamplerSettings(temp=1.0, top_p=0.3, min_p=0.5, min_keep=12),
+    "min-keep-typical": SamplerSettings(temp=1.0, typical_p=0.1, min_keep=7, samplers=("typ_p", "temperature")),
+    "min-keep-xtc": SamplerSettings(temp=1.0, top_k=6, xtc_probability=1.0, xtc_threshold=0.02, min_keep=5,
+                                    dynatemp_range=0.3),
+    "min-keep-past-k": SamplerSettings(temp=0.9, top_k=4, top_p=0.5, min_keep=9),
     "sigma-after-xtc": SamplerSettings(temp=1.1, top_n_sigma=1.0, xtc_probability=1.0, xtc_threshold=0.02,
                                        dynatemp_range=0.5, samplers=("xtc", "top_n_sigma", "temperature")),
 }

@@ -417,7 +417,8 @@ SAMPLING_FIELDS = ["temperature", "top_k", "top_p", "min_p", "typical_p", "top_n
                    "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "seed", "repeat_penalty", "repeat_last_n",
                    "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
                    "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta",
-                   "samplers", "adaptive_target", "adaptive_decay", "post_sampling_probs", "n_probs", "logit_bias"]
+                   "samplers", "adaptive_target", "adaptive_decay", "post_sampling_probs", "n_probs", "logit_bias",
+                   "min_keep"]
 
 
 def test_sampling_fields_fuzzed_never_a_server_error(server):
@@ -473,7 +474,7 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"post_sampling_probs": 1}, "post_sampling_probs"), ({"mirostat": 3}, "mirostat"),
     ({"mirostat_tau": "5"}, "mirostat_tau"), ({"mirostat_eta": None, "mirostat": 1.5}, "mirostat"),
     ({"samplers": ["top_k", "bogus"]}, "samplers"), ({"samplers": "ki"}, "samplers"), ({"samplers": 3}, "samplers"),
-    ({"adaptive_target": "0.5"}, "adaptive_target"), ({"min_keep": 2}, "min_keep"), ({"grammar_lazy": True}, "grammar_lazy"),
+    ({"adaptive_target": "0.5"}, "adaptive_target"), ({"min_keep": -1}, "min_keep"), ({"grammar_lazy": True}, "grammar_lazy"),
     ({"n_indent": 4}, "n_indent"), ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"), ({"n_cmpl": 99}, "n_cmpl"), ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
     ({"reasoning_budget_tokens": 0}, "reasoning_budget_tokens"), ({"preserved_tokens": ["<x>"]}, "preserved_tokens"),
     ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": "0.8"}, "dry_multiplier"),
