@@ -283,10 +283,10 @@ def generation_settings(req: Request, stream: bool) -> dict:
 # than ignored, so that no one reads unconstrained text as what they asked for.
 UNSERVED = {
     "functions": ([],), "best_of": (1,), "suffix": ("",),
-    # llama-server's LoRA adapters, its grammar
-    # triggered from the client's own triggers, its indentation, time limit and reasoning budget
+    # llama-server's LoRA adapters, its grammar triggered from the client's own triggers, its
+    # indentation and reasoning budget
     "lora": ([],), "grammar_lazy": (False,), "grammar_triggers": ([],),
-    "preserved_tokens": ([],), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "reasoning_budget_tokens": (-1,),
+    "preserved_tokens": ([],), "n_indent": (0,), "reasoning_budget_tokens": (-1,),
 }
 # What a chat request gives its template itself: `chat_template_kwargs` may not set these.
 TEMPLATE_INPUTS = frozenset({"messages", "add_generation_prompt", "tools"})
@@ -1197,6 +1197,7 @@ class App:
         _boolean(body, "cache_prompt", True)   # llama-server's: a prompt's reuse here is automatic
         ignore_eos = _boolean(body, "ignore_eos")
         post_sampling = _boolean(body, "post_sampling_probs")
+        t_max = _integer(body, "t_max_predict_ms", -1, -1, 1 << 53)   # llama-server's time limit (<= 0: none)
         if not ids:
             raise BadRequest("the prompt is empty", "prompt" if not chat else "messages")
         if len(ids) > context:
@@ -1208,7 +1209,7 @@ class App:
         reqs = [Request(ids, max_tokens, replace(sampling, seed=sampling.seed + i),
                         lambda ev, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, ev)), stop_strings=stops,
                         logprobs=logprobs, slot=None if slot < 0 else slot, ignore_eos=ignore_eos,
-                        prompt_logprobs=prompt_logprobs, post_sampling=post_sampling,
+                        prompt_logprobs=prompt_logprobs, post_sampling=post_sampling, t_max_predict_ms=t_max,
                         constraint=constraint if i == 0 or constraint is None else constraint.copy(),
                         dry_breakers=breakers,
                         shown=self._shown if fmt is not None else frozenset())

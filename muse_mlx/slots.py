@@ -106,6 +106,9 @@ class Request:
     shown: frozenset = frozenset()       # control tokens whose text the output shows (a chat format's markup)
     dry_breakers: dict | None = None     # DRY's breakers as tokens (MuseTokenizer.dry_breakers; None: made here)
     post_sampling: bool = False          # log-probs of what the pick drew from, not of the model (llama-server's)
+    # llama-server's t_max_predict_ms: past this many ms from the first token's logits, a token whose
+    # text holds a newline ends the request (finish "length"); <= 0: no limit
+    t_max_predict_ms: float = 0.0
     # Another request with the same prompt (a choice of one `n`): this one waits until the leader's
     # prompt is prefilled, then takes a copy of it when a slot is idle at that moment.
     leader: "Request | None" = None
@@ -484,7 +487,8 @@ class Scheduler:
                 if len(logprobs) > 1:   # the top k, most likely first (ties: the lower id)
                     ids, values = np.array(logprobs[1]).tolist(), np.array(logprobs[2]).tolist()
                     event["top_logprobs"] = sorted(zip(ids, values), key=lambda p: (-p[1], p[0]))
-            text, stopped = slot.stop.push(slot.streamer.push(t))
+            piece = slot.streamer.push(t)
+            text, stopped = slot.stop.push(piece)
             event["text"] = text
             slot.request.emit(event)
             if stopped:
@@ -493,6 +497,8 @@ class Scheduler:
                 self._finish(slot, "stop")   # the grammar takes nothing more
             elif not fed:   # max_tokens reached, or the context full
                 self._finish(slot, "length")
+            elif "\n" in piece and 0 < slot.request.t_max_predict_ms < (time.perf_counter() - slot.prompt_done) * 1e3:
+                self._finish(slot, "length")   # llama-server's time limit, checked at a newline
 
     def _finish(self, slot: Slot, reason: str | None = None, error: str | None = None, flush: bool = True,
                 invalid: bool = False) -> None:

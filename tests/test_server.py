@@ -440,6 +440,24 @@ def test_sampling_fields_fuzzed_never_a_server_error(server):
     assert httpx.get(server + "/health").json()["status"] == "ok"
 
 
+def test_a_time_limit_ends_at_a_newline(server, f32_fixture):
+    """llama-server's t_max_predict_ms: once the time since the first token's logits passes it, the
+    next token whose text holds a newline ends the request (stop_type limit, finish_reason length);
+    without it (or at 0, or -1) the request runs its n_predict."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    tok = MuseTokenizer(load(f32_fixture, backend="reference").artifact.vocabulary)
+    newline = tok.encode("\n", add_bos=False)
+    assert len(newline) == 1
+    body = {"prompt": prompt_ids(6, 66), "n_predict": 12, "temperature": 0, "logit_bias": [[newline[0], 100]]}
+    r = httpx.post(server + "/completion", headers=h, timeout=120, json={**body, "t_max_predict_ms": 1}).json()
+    assert r["stop_type"] == "limit" and 1 <= r["tokens_predicted"] < 12 and r["content"].endswith("\n"), r
+    for off in (0, -1, None):
+        r = httpx.post(server + "/completion", headers=h, timeout=120, json={**body, "t_max_predict_ms": off}).json()
+        assert r["tokens_predicted"] == 12, r
+    words = {**body, "logit_bias": [[newline[0], -100]], "t_max_predict_ms": 1}   # no newline: no stop
+    assert httpx.post(server + "/completion", headers=h, timeout=120, json=words).json()["tokens_predicted"] == 12
+
+
 def test_mixed_prompts(server, solo, f32_fixture):
     """llama-server's prompt forms, on /completion and /v1/completions alike: ids and strings mixed
     in one list (only a string at its start takes the BOS), a list holding one prompt; several
@@ -475,7 +493,7 @@ def test_mixed_prompts(server, solo, f32_fixture):
     ({"mirostat_tau": "5"}, "mirostat_tau"), ({"mirostat_eta": None, "mirostat": 1.5}, "mirostat"),
     ({"samplers": ["top_k", "bogus"]}, "samplers"), ({"samplers": "ki"}, "samplers"), ({"samplers": 3}, "samplers"),
     ({"adaptive_target": "0.5"}, "adaptive_target"), ({"min_keep": -1}, "min_keep"), ({"grammar_lazy": True}, "grammar_lazy"),
-    ({"n_indent": 4}, "n_indent"), ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"), ({"n_cmpl": 99}, "n_cmpl"), ({"t_max_predict_ms": 500}, "t_max_predict_ms"),
+    ({"n_indent": 4}, "n_indent"), ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"), ({"n_cmpl": 99}, "n_cmpl"), ({"t_max_predict_ms": 0.5}, "t_max_predict_ms"),
     ({"reasoning_budget_tokens": 0}, "reasoning_budget_tokens"), ({"preserved_tokens": ["<x>"]}, "preserved_tokens"),
     ({"typical_p": 1.5}, "typical_p"), ({"dry_multiplier": "0.8"}, "dry_multiplier"),
     ({"dry_allowed_length": -1}, "dry_allowed_length"), ({"dry_penalty_last_n": 1.5}, "dry_penalty_last_n"),
