@@ -422,7 +422,9 @@ class Sampler:
         order = s.samplers
         if greedy:   # only the best token is left at the temperature: filters that always keep it are moot
             order = order[:order.index("temperature")]   # after the last one that may not (they shape its input)
-            last = max((i for i, n in enumerate(order) if n in FILTERS and n not in KEEP_THE_BEST), default=-1)
+            drops = {"typ_p"} if s.typical_p < 1.0 else set()   # the filters on that may drop the best token
+            drops |= {"xtc"} if self.xtc else set()
+            last = max((i for i, n in enumerate(order) if n in drops), default=-1)
             order = order[:last + 1] + tuple(n for n in order[last + 1:] if n not in KEEP_THE_BEST)
         draw = None
         if self.xtc and "xtc" in order:   # XTC's draw, from a split of its own
