@@ -479,16 +479,14 @@ def test_prefill_attention_is_planned_within_memory():
     (4, 100, 1280, {"mma_warps": 6, "mma_tile_warps": 3}),  # 5 blocks over 3 warps: one idle
     (4, 19, 6656, {"mma_tile_warps": 32}),                  # the whole threadgroup on one tile
 ], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{a}={c}" for a, c in v.items()) or "-")
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_tensor_core_matvec_q4k_block_plans(b, n, k, config, prefetch):
+def test_tensor_core_matvec_q4k_block_plans(b, n, k, config):
     """Q4_K's tensor-core form takes whole blocks (each lane on its own two groups, the mins as one
     more mma), so its warps split K by blocks: against float64 on plans of every kind (parts of K,
-    tiles split between warps with a block count that does not divide, one tile a threadgroup),
-    with the next block's nibbles (prefetch 1) or nibbles and headers (2) loaded ahead or not (0)."""
+    tiles split between warps with a block count that does not divide, one tile a threadgroup)."""
     from muse_mlx.kernels import Device, Kernels
     from metal_emulator import EmulatedKernel
     device = Device("metal", 4, 1 << 20) if k == 6656 or "mma_warps" in config else None
-    cfg = KernelConfig(stream_groups=2, mma_q4k_prefetch=prefetch, **config)
+    cfg = KernelConfig(stream_groups=2, **config)
     kernels = (Kernels(device, cfg, build=lambda name, which, shared: EmulatedKernel(name)) if device
                else emulated_kernels(cfg))
     p = plan.mma_plan(QT.Q4_K, k, n, b, kernels.device, kernels.config)

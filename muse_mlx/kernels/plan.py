@@ -154,10 +154,6 @@ MMA_MAX_WARPS = 32
 # Q4_K keeps no split margin and its figure 10 over what was read. A threadgroup's warps are
 # capped so that they fit GROUP_REGISTERS (MLX launches without launch bounds).
 MMA_REGISTERS = {QT.Q4_K: 96, QT.Q6_K: 64}
-# Q4_K with its next block's loads ahead (KernelConfig.mma_q4k_prefetch 1 / 2): nvcc 13.0 gives 79-98
-# and 83-102 (2026-12-04, local; NVRTC matched nvcc's 86 for the form without); planned at 104 and 106,
-# which keep gate|up's 19 warps a multiprocessor (107 at most). Not yet run on a GPU.
-MMA_Q4K_PREFETCH_REGISTERS = {0: MMA_REGISTERS[QT.Q4_K], 1: 104, 2: 106}
 # Q6_K's forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
 # them up to 10 more registers (KW = 1: 64 against 54), so their plans keep this margin.
 MMA_SPLIT_MARGIN = {QT.Q4_K: 0, QT.Q6_K: 12}
@@ -218,7 +214,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
         return None
     units = K // 64
     granule = MMA_GRANULE[qtype]
-    whole_regs = MMA_Q4K_PREFETCH_REGISTERS[config.mma_q4k_prefetch] if qtype == QT.Q4_K else MMA_REGISTERS[qtype]
+    whole_regs = MMA_REGISTERS[qtype]
     split_regs = whole_regs + MMA_SPLIT_MARGIN[qtype]
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
@@ -261,8 +257,6 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     p = mma_plan(qtype, K, N, B, device, config)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
-    if qtype == QT.Q4_K:
-        template.append(("PF", config.mma_q4k_prefetch))
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
     return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),

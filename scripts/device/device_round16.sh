@@ -2,15 +2,15 @@
 # Issue 16's round (ledger, 2026-12-05 "the device round, not run a third time"), by MODE:
 #   lean   call 2 (carry .device/part2, .device/revision; call 1 ran `stash.sh` and
 #          build_llama_bg.sh): MLX unpacked, the bench GGUF, the GPU checks of the batched step
-#          against each sequence alone and of mma_q4k_prefetch, then the packed step at B = 1..4
-#          (depth 512) with the default and with mma_q4k_prefetch=1, interleaved twice. The
+#          against each sequence alone (GPU_TESTS_K), then the packed step at B = 1..4 (depth 512)
+#          with the default and with each of VARIANTS ("tag:KERNEL_CONFIG ..."), interleaved twice. The
 #          llama.cpp build runs beside this call: its packed-step figures compare the two arms only.
 #   final  call 3 (carry .device/revision): with the build done, the engine loop (SCHED slots) and
-#          the packed step, in turn: the default; llama-batched-bench; mma_q4k_prefetch=1; the
-#          default under MLX_MAX_MB_PER_BUFFER=100000; the default with --sched-constraint lazy,
-#          then text, then --sched-constraint dry (DRY on every request); the default again (STEPS
-#          names them: "default-1 llama pf1-1 mb-1 lazy-1 text-1 dry-1 default-2"; a later call may
-#          take the rest).
+#          the packed step, in turn: the default; llama-batched-bench; the default with
+#          --sched-constraint lazy, then text (llguidance must be among part 2's wheels), then dry
+#          (DRY on every request); the default again (STEPS names them: "default-1 llama lazy-1
+#          text-1 dry-1 default-2"; mb-1, the default under MLX_MAX_MB_PER_BUFFER=100000, on
+#          request; a later call may take the rest).
 # STOP_AFTER (seconds from the call's start): no step starts after it, and each step's timeout is
 # cut to what is left. Writes to $OUT: nvidia-smi.txt, make-gguf.log, gpu-tests.log,
 # verification.json, packed-TAG-PASS.json / .log (lean), sched-TAG.json / .log,
@@ -45,19 +45,19 @@ lean)
   [ -f $G ] || python3 scripts/make_bench_gguf.py $G > "$OUT/make-gguf.log" 2>&1
   echo "bench GGUF at $(( $(date +%s) - T0 )) s"
   t=$(limit 120) && MUSE_GPU_RECEIPT="$OUT/verification.json" timeout "$t" python3 -m pytest tests/gpu \
-    -k "batched_decode_equals_each_sequence_alone or q4k_prefetch" -q -p no:cacheprovider -rf --tb=line \
+    -k "${GPU_TESTS_K:-batched_decode_equals_each_sequence_alone}" -q -p no:cacheprovider -rf --tb=line \
     > "$OUT/gpu-tests.log" 2>&1
   tail -4 "$OUT/gpu-tests.log"; echo "checks at $(( $(date +%s) - T0 )) s"
   for pass in 1 2; do
     packed "default-$pass" "" || break
-    packed "pf1-$pass" "mma_q4k_prefetch=1" || break
+    for v in ${VARIANTS:-}; do packed "${v%%:*}-$pass" "${v#*:}" || break 2; done
   done
   ;;
 final)
   [ -f $G ] || { echo "no $G: run the lean call first"; exit 1; }
   for i in $(seq 1 60); do [ -f /tmp/llama/build.rc ] || [ ! -d /tmp/llama ] && break; sleep 5; done
   echo "llama.cpp build rc: $(cat /tmp/llama/build.rc 2>/dev/null) at $(( $(date +%s) - T0 )) s"
-  for step in ${STEPS:-default-1 llama pf1-1 mb-1 lazy-1 text-1 dry-1 default-2}; do
+  for step in ${STEPS:-default-1 llama lazy-1 text-1 dry-1 default-2}; do
     case $step in
     llama)
       B=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -67,7 +67,6 @@ final)
         --output-format jsonl > "$OUT/llama-batched-bench.jsonl" 2> "$OUT/llama-batched-bench.err"
       tail -4 "$OUT/llama-batched-bench.jsonl" | cut -c1-300 ;;
     default-*) sched $step "" none || break ;;
-    pf1-*) sched $step "mma_q4k_prefetch=1" none || break ;;
     mb-*) sched $step "" none MLX_MAX_MB_PER_BUFFER=100000 || break ;;
     lazy-*) sched $step "" lazy || break ;;
     text-*) sched $step "" text || break ;;

@@ -437,21 +437,6 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
                  kernels=kernels, warps=p.warps, tile_warps=p.tile_warps)
 
 
-@pytest.mark.parametrize("shape", [(39936, 6656), (8704, 6656), (6656, 19968), (6656, 4096)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("batch", [2, 4])
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_tensor_core_q4k_prefetch(shape, batch, prefetch):
-    """Q4_K's block form with the next block's nibbles (1) or nibbles and headers (2) loaded ahead
-    (KernelConfig.mma_q4k_prefetch), on its own plans at the model's shapes: it launches (its
-    registers within the plan's) and its products are within the float64 checks' bound."""
-    n, k = shape
-    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_q4k_prefetch=prefetch))
-    assert kernels._takes_mma(QT.Q4_K, k, n, batch)
-    p = plan.mma_plan(QT.Q4_K, k, n, batch, kernels.device, kernels.config)
-    check_matvec("matvec_mma_q4k_prefetch", QT.Q4_K, n, k, batch, np.random.default_rng([SEED, n, k, batch, prefetch, 35]),
-                 kernels=kernels, prefetch=prefetch, warps=p.warps, tile_warps=p.tile_warps)
-
-
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
