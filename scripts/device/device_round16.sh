@@ -5,12 +5,15 @@
 #          against each sequence alone (GPU_TESTS_K), then the packed step at B = 1..4 (depth 512)
 #          with the default and with each of VARIANTS ("tag:KERNEL_CONFIG ..."), interleaved twice. The
 #          llama.cpp build runs beside this call: its packed-step figures compare the two arms only.
+#          PROBE ("tag:KERNEL_CONFIG;..."): before the packed step, the products alone
+#          (probe_mma.py at B = 2 and 4) under each configuration.
 #   final  call 3 (carry .device/revision): with the build done, the engine loop (SCHED slots) and
 #          the packed step, in turn: the default; llama-batched-bench; the default with
 #          --sched-constraint lazy, then text (llguidance must be among part 2's wheels), then dry
 #          (DRY on every request); the default again (STEPS names them: "default-1 llama lazy-1
 #          text-1 dry-1 default-2"; mb-1, the default under MLX_MAX_MB_PER_BUFFER=100000, on
-#          request; a later call may take the rest).
+#          request; v-TAG-PASS: the engine loop under the VARIANTS entry TAG; a later call may
+#          take the rest).
 # STOP_AFTER (seconds from the call's start): no step starts after it, and each step's timeout is
 # cut to what is left. Writes to $OUT: nvidia-smi.txt, make-gguf.log, gpu-tests.log,
 # verification.json, packed-TAG-PASS.json / .log (lean), sched-TAG.json / .log,
@@ -48,6 +51,10 @@ lean)
     -k "${GPU_TESTS_K:-batched_decode_equals_each_sequence_alone}" -q -p no:cacheprovider -rf --tb=line \
     > "$OUT/gpu-tests.log" 2>&1
   tail -4 "$OUT/gpu-tests.log"; echo "checks at $(( $(date +%s) - T0 )) s"
+  if [ -n "${PROBE:-}" ] && t=$(limit 150); then   # the products alone, by kernel configuration
+    timeout "$t" python3 scripts/device/probe_mma.py 2,4 "$PROBE" "$OUT/probe-mma.json" > "$OUT/probe-mma.log" 2>&1
+    echo "[probe] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-90 "$OUT/probe-mma.log"
+  fi
   for pass in 1 2; do
     packed "default-$pass" "" || break
     for v in ${VARIANTS:-}; do packed "${v%%:*}-$pass" "${v#*:}" || break 2; done
@@ -67,6 +74,11 @@ final)
         --output-format jsonl > "$OUT/llama-batched-bench.jsonl" 2> "$OUT/llama-batched-bench.err"
       tail -4 "$OUT/llama-batched-bench.jsonl" | cut -c1-300 ;;
     default-*) sched $step "" none || break ;;
+    v-*)   # v-TAG-PASS: the VARIANTS entry TAG:KERNEL_CONFIG
+      tag=${step#v-}; tag=${tag%-*}; cfg=""
+      for v in ${VARIANTS:-}; do [ "${v%%:*}" = "$tag" ] && cfg=${v#*:}; done
+      [ -n "$cfg" ] || { echo "no variant $tag in VARIANTS"; continue; }
+      sched "${step#v-}" "$cfg" none || break ;;
     mb-*) sched $step "" none MLX_MAX_MB_PER_BUFFER=100000 || break ;;
     lazy-*) sched $step "" lazy || break ;;
     text-*) sched $step "" text || break ;;
