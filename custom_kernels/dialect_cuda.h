@@ -63,9 +63,6 @@ __device__ __forceinline__ uint4 load_tg_u4(const uint32_t* p) {
 }
 #define LOAD_TG_U4(p) load_tg_u4(p)
 #define FLOAT_TO_BITS(x) __float_as_uint(x)
-// A hint that the sector holding device address p be read into L2 ahead of its load: no
-// register holds it and nothing waits for it (the tensor-core form's mma_l2_first).
-#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p))
 // a * b + c on two f16 values packed in 32-bit words (low half first), rounded once.
 __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;

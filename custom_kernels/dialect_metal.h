@@ -45,8 +45,6 @@ inline float shuffle_idx(float v, int l) { return simd_shuffle(v, ushort(l)); }
 #define LOAD_TG_F4(p) (*((threadgroup float4*)(p)))
 #define LOAD_TG_U4(p) (*((threadgroup uint4*)(p)))
 #define FLOAT_TO_BITS(x) as_type<uint32_t>(float(x))
-// No L2 prefetch hint here: the address is only evaluated.
-#define PREFETCH_L2(p) ((void)(p))
 inline half half_lo(uint32_t v) { return as_type<half>(ushort(v & 0xFFFFu)); }
 inline half half_hi(uint32_t v) { return as_type<half>(ushort(v >> 16)); }
 // a * b + c on two packed f16 values (see dialect_cuda.h).

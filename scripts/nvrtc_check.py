@@ -51,12 +51,11 @@ CASES = [
         ("UP_OFF", 19968)])
       for v, rb in (("q4_k", 144), ("q6_k", 210)) for where, b in (("", 1), ("_shared", 2))],
     *[(f"matvec_mma_{v}", ["uint8", "float32"], ["float32"],
-       [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb),
-        ("PF", pf)])
+       [("K", k), ("N", 4096), ("B", b), ("XS", k), ("NW", nw), ("KW", kw), ("KP", kp), ("RB", k // 256 * rb)])
       for v, rb in (("q4_k", 144), ("q6_k", 210))
       for k, nw, kw, kp in ((4096, 16, 16, 1), (4096, 20, 5, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 20, 4, 1),
                             (6656, 19, 1, 1), (19968, 13, 13, 2))
-      for b in (2, 4) for pf in (0, 4)],
+      for b in (2, 4)],
     *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])
       for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],

@@ -14,9 +14,6 @@ mx.fast.metal_kernel) is compiled with g++ behind a shim and executed:
   dialect: `SHARED` becomes `static` (one array shared by the threads of the running
   threadgroup).
 
-- `PREFETCH_L2` (a hint that moves no value; nothing on Metal) records its address, and the
-  kernel object keeps the last launch's (`EmulatedKernel.hints`).
-
 What this checks: the kernels' logic under the Metal dialect (indexing, loops, the Metal
 stand-ins for CUDA intrinsics, synchronisation points a missing barrier would break, every
 output element written), against independent float64 references in the tests. What it does
@@ -58,7 +55,6 @@ SHIM = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <thread>
 #include <vector>
 using emu_thread = std::thread;  // before `thread` becomes an empty word
@@ -109,11 +105,6 @@ inline uint32_t simd_shuffle(uint32_t v, ushort l) {
 }
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 inline void threadgroup_barrier(int) { emu_group->arrive_and_wait(); }
-// PREFETCH_L2's addresses, in the order made (the dialect's hint does nothing on Metal; here each
-// is kept, and written out as byte offsets from the first input's start).
-static std::mutex emu_hint_lock;
-static std::vector<const void*> emu_hints;
-inline void emu_prefetch(const void* p) { std::lock_guard<std::mutex> g(emu_hint_lock); emu_hints.push_back(p); }
 """
 
 MAIN = r"""
@@ -153,11 +144,6 @@ int main(int argc, char** argv) {
     char p[4096]; std::snprintf(p, sizeof p, "%s/b%d", dir, i);
     FILE* f = std::fopen(p, "wb"); std::fwrite(bufs[i].data(), 1, bufs[i].size(), f); std::fclose(f);
   }
-  // the hints: the first input's address modulo 32 (so 32-byte sectors can be told), then offsets
-  std::vector<int64_t> hints{int64_t(reinterpret_cast<uintptr_t>(bufs[0].data()) % 32)};
-  for (const void* h : emu_hints) hints.push_back(static_cast<const char*>(h) - bufs[0].data());
-  char p[4096]; std::snprintf(p, sizeof p, "%s/hints", dir);
-  FILE* f = std::fopen(p, "wb"); std::fwrite(hints.data(), sizeof(int64_t), hints.size(), f); std::fclose(f);
 }
 """
 
@@ -166,8 +152,6 @@ REDEFINE = """
 #define SHARED static
 #undef X_MEMORY
 #define X_MEMORY(name, n) static float4 name##_v4[(n) / 4]; float* name = (float*)name##_v4
-#undef PREFETCH_L2
-#define PREFETCH_L2(p) emu_prefetch((const void*)(p))
 """
 
 
@@ -236,9 +220,6 @@ class EmulatedKernel:
             subprocess.run([str(exe), d, str(gx), str(gy), str(threadgroup[0])], check=True, timeout=600)
             results = [np.fromfile(f"{d}/b{len(arrays) + j}", dtype=o.dtype).reshape(o.shape)
                        for j, o in enumerate(outs)]
-            hints = np.fromfile(f"{d}/hints", dtype=np.int64)
-        # the last launch's L2 hints: (the first input's address modulo 32, byte offsets into it)
-        self.hints = (int(hints[0]), hints[1:])
         return [mx.array(r) for r in results]
 
 

@@ -200,18 +200,6 @@ def test_batched_stream_rows_per_pass():
                 assert used * plan.stream_threads(k) <= plan.GROUP_REGISTERS, (qtype, b, rf, k)
 
 
-def test_tensor_core_l2_first_goes_to_the_kernel_and_leaves_the_plan():
-    """mma_l2_first reaches the tensor-core kernel as PF (0 without hints) and changes no plan:
-    the hints are made before the loop, whose registers bound the warps."""
-    h200 = Device("cuda", 132, 232448)
-    for qtype, k, n in ((QT.Q4_K, 6656, 39936), (QT.Q6_K, 19968, 6656), (QT.Q4_K, 4096, 6656)):
-        for first in (0, 4):
-            config = KernelConfig(mma_l2_first=first)
-            assert plan.mma_plan(qtype, k, n, 4, h200, config) == plan.mma_plan(qtype, k, n, 4, h200, KernelConfig())
-            _, _, launch = plan.mma_launch(qtype, k, n, h200, config, 4)
-            assert ("PF", first) in launch["template"]
-
-
 def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
     of K fit one part up to K = 6,656, the FFN down product's 19,968 takes two parts; threadgroup

@@ -8,8 +8,6 @@ Outputs start as NaN, so an element no thread writes fails. This is the only exe
 Metal text gets here (no Mac); Metal's own compiler and Apple GPU timing are not checked.
 """
 
-import itertools
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -165,52 +163,6 @@ def test_tensor_core_matvec_tiles_shared_out(qtype, tile_warps, warps, b):
         p = plan.mma_plan(qtype, k, n, b, big.device, big.config)
         assert (p.warps, p.tile_warps) == (warps, tile_warps), p
         check_mma_against_float64(big, qtype, n, k, b)
-
-
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("tile_warps, parts, first", [(1, 1, 1), (2, 1, 2), (1, 2, 8), (3, 1, 2), (1, 1, 64)])
-def test_tensor_core_l2_first_asks_for_each_warps_first_blocks(qtype, tile_warps, parts, first):
-    """mma_l2_first: the 32-byte sectors the hints name are exactly those of the first `first`
-    blocks of 256 values that each warp reads of each of its tiles' rows (within its share of K
-    and its part; the first tile's before x's fragments, the next at each round's start), every
-    sector of them and none of any other block or outside the weights; the products stay the
-    float64 ones. 35 rows (three tiles, two a round: a second round; the rows past the matrix
-    are not asked for), 2,048 values (8 blocks: two warps a tile take 4 each, three take 3, 3, 2; two parts of K,
-    4 each); 64 blocks asks for every block a warp has."""
-    from muse_mlx.kernels import Device, Kernels
-    from metal_emulator import EmulatedKernel
-    made = {}
-
-    def build(name, which, shared):
-        made[name] = EmulatedKernel(name)
-        return made[name]
-    n, k, rows_x = 35, 2048, 3
-    config = KernelConfig(stream_groups=1, mma_warps=2 * tile_warps, mma_tile_warps=tile_warps, mma_parts=parts,
-                          mma_l2_first=first)
-    kernels = Kernels(Device("metal", 4, 1 << 20), config, build=build)
-    p = plan.mma_plan(qtype, k, n, rows_x, kernels.device, kernels.config)
-    assert (p.tile_warps, p.parts, p.warps, p.groups) == (tile_warps, parts, 2 * tile_warps, 1), p
-    check_mma_against_float64(kernels, qtype, n, k, rows_x)
-    base, hints = made[f"matvec_mma_{qtype.name.lower()}"].hints
-    block = {QT.Q4_K: 144, QT.Q6_K: 210}[qtype]
-    blocks = k // 256
-    assert len(hints) and hints.min() >= 0 and hints.max() < n * blocks * block
-    sectors = lambda offsets: {(base + int(o)) // 32 for o in offsets}
-    # a warp's share of a part: Q4_K splits whole blocks between a tile's warps, Q6_K 64-value units
-    per_part = blocks // parts
-    step = 4 if qtype == QT.Q4_K else 1
-    steps = per_part * 4 // step
-    per_warp = -(-steps // tile_warps)
-    wanted = set()
-    for part in range(parts):
-        for tile, kw in itertools.product(range(-(-n // 16)), range(tile_warps)):
-            u0, u1 = step * min(kw * per_warp, steps), step * min(kw * per_warp + per_warp, steps)
-            b0, b1 = u0 // 4, min(-(-u1 // 4), u0 // 4 + first)
-            for row in range(16 * tile, min(16 * tile + 16, n)):
-                for b in range(b0, b1):
-                    start = (row * blocks + part * per_part + b) * block
-                    wanted |= sectors(range(start, start + block))
-    assert sectors(hints) == wanted
 
 
 def test_tensor_core_matvec_carries_non_finite_x():

@@ -256,7 +256,7 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     B rows of x (mma_plan must give a plan); the output is (B, N), or (parts, B, N) to be summed."""
     p = mma_plan(qtype, K, N, B, device, config)
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
-                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype]), ("PF", config.mma_l2_first)]
+                ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
     return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),

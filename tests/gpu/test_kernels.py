@@ -438,30 +438,6 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(39936, 6656), (8704, 6656), (6656, 19968), (37, 768)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("first", [2, 26])
-@pytest.mark.parametrize("batch", [2, 4])
-def test_tensor_core_l2_first(qtype, shape, first, batch):
-    """The tensor-core form asking L2 for each warp's first blocks at its start (mma_l2_first)
-    against float64, and bit for bit the form without hints (a hint moves no value; the plans
-    are the same): gate|up (a warp a tile), Q|K|gate|V (warps sharing tiles), FFN down in six
-    parts of K, 768 values (3 blocks, fewer than asked for)."""
-    n, k = shape
-    rng = np.random.default_rng([SEED, n, k, int(qtype), first, batch, 13])
-    hinted = Kernels(gpu_device(), KernelConfig(mma_l2_first=first, mma_pair_min_rows=0, mma_min_rows=0))
-    assert hinted._takes_mma(qtype, k, n, batch)
-    p = plan.mma_plan(qtype, k, n, batch, hinted.device, hinted.config)
-    check_matvec("matvec_mma_l2_first", qtype, n, k, batch, rng, kernels=hinted, first=first,
-                 warps=p.warps, tile_warps=p.tile_warps, parts=p.parts)
-    same = Kernels(gpu_device(), KernelConfig(mma_pair_min_rows=0, mma_min_rows=0))
-    assert plan.mma_plan(qtype, k, n, batch, same.device, same.config) == p
-    w = mx.array(random_blocks(n, k, qtype, rng))
-    x = mx.array(rng.standard_normal((batch, k)).astype(np.float32))
-    assert np.array_equal(np.array(hinted.matvec(w, qtype, x)), np.array(same.matvec(w, qtype, x)))
-
-
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
     """The tensor-core form with rows of x 1e-6 to 1e6 in size (each row scaled to f16's range
