@@ -94,7 +94,7 @@ class Attention(nn.Module):
         p = self.wqkgv(h)
         q, kv_new = self._ops.qk_post(p["q"], p["k"], p["v"], self.q_norm, self.k_norm, rope, self.rope_half, self.g,
                                       kv_dtype)
-        return self._ops.project(self.wo, kv.attend(self.layer, q, kv_new, p["gate"]))
+        return self._ops.project_out(self.wo, kv.attend(self.layer, q, kv_new, p["gate"]))
 
 
 class FeedForward(nn.Module):

@@ -79,7 +79,9 @@ CASES = [
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),
         ("K_OFF", 32 * hd), ("V_OFF", 66 * hd), ("QS", 68 * hd), ("KS", 68 * hd), ("VS", 68 * hd), ("ROWS", 1)])
       for hd, rh in ((128, 64), (128, 0), (48, 16))],
-    ("residual_norm", ["float32"] * 5, ["float32", "float32"], [("N", 6656), ("TPG", 1024)]),
+    *[("residual_norm", ["float32"] * 5, ["float32", "float32"],
+       [("N", 6656), ("TPG", 1024), ("EPS_POST", 0x322BCC77), ("EPS_NEXT", 0x358637BD), ("FP", fp), ("R", r)])
+      for fp, r in ((1, 0), (8, 4))],
     *[(f"dequant_{v}", ["uint8"], ["float16"], [("K", 6656), ("N", 19968), ("UPR", 6656 // u), ("TPG", 256)])
       for v, u in (("q4_k", 32), ("q5_k", 32), ("q6_k", 16), ("q8_0", 32), ("nvfp4", 16))],
 ]

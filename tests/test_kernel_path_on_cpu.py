@@ -51,11 +51,11 @@ class StandIns(Kernels):
         self.dequantized.append(qtype)
         return dequantize(w, qtype).astype(mx.float16)
 
-    def matvec(self, w, qtype, x, init_value=None):
+    def matvec(self, w, qtype, x, init_value=None, parts=False):   # (B, N): the parts summed
         assert 1 <= x.shape[0] <= plan.MAX_BATCH
         return x.astype(mx.float32) @ dequantize(w, qtype).T
 
-    def matvec_silu(self, w, qtype, gate, up, up_offset=0, init_value=None):
+    def matvec_silu(self, w, qtype, gate, up, up_offset=0, init_value=None, parts=False):
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         assert plan.streams(qtype, K) and gate.shape == up.shape
         assert gate.shape[0] == 1 or plan.stream_batch_rows(K, self.device, self.config) >= 2

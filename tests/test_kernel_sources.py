@@ -200,6 +200,44 @@ def test_batched_stream_rows_per_pass():
                 assert used * plan.stream_threads(k) <= plan.GROUP_REGISTERS, (qtype, b, rf, k)
 
 
+def test_parts_of_k_reach_the_residual_step():
+    """At two to four rows o_proj (8 parts of K) and FFN down (6) reach residual_norm as their parts,
+    which it adds (its FP), with no node of their own between; residual_parts = 0 sums them first
+    (FP = 1); one row streams, with no parts."""
+    from muse_mlx.kernels import Kernels
+    from muse_mlx.ops.gpu import GpuOps
+    from muse_mlx.ops.reference import Matrix, Slice
+    h200 = Device("cuda", 132, 232448)
+
+    def residual_fp(config, rows, which):
+        seen = {}
+
+        def build(name, backend, memory):
+            def launch(*, inputs, output_shapes, output_dtypes, template=(), **kw):
+                seen[name] = dict(template)
+                return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+            return launch
+        ops = GpuOps(Kernels(h200, config, build=build))
+        n = 6656
+        if which == "o_proj":
+            k = 4096
+            w = Matrix(mx.zeros((n, k // 256 * 144), dtype=mx.uint8), QT.Q4_K, True, k, n)
+            f = ops.project_out(w, mx.ones((rows, k)))
+        else:
+            k = 19968
+            w = Matrix(mx.zeros((n, k // 256 * 210), dtype=mx.uint8), QT.Q6_K, True, k, n)
+            gu = mx.ones((rows, 2 * k))
+            f = ops.down_silu(w, Slice(gu, 0, k), Slice(gu, k, k))
+        ones = mx.ones((n,))
+        mx.eval(ops.residual_norm(mx.ones((rows, n)), f, ones, ones, 1e-8, 1e-6))
+        return seen["residual_norm"]["FP"], seen["residual_norm"]["R"]
+    assert residual_fp(KernelConfig(), 4, "o_proj") == (8, 4) and residual_fp(KernelConfig(), 2, "o_proj") == (8, 2)
+    assert residual_fp(KernelConfig(), 3, "down") == (6, 3)
+    assert residual_fp(KernelConfig(residual_parts=0), 4, "o_proj") == (1, 0)
+    assert residual_fp(KernelConfig(residual_parts=0), 3, "down") == (1, 0)
+    assert residual_fp(KernelConfig(), 1, "o_proj") == (1, 0) == residual_fp(KernelConfig(), 1, "down")
+
+
 def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
     of K fit one part up to K = 6,656, the FFN down product's 19,968 takes two parts; threadgroup

@@ -391,6 +391,27 @@ def test_residual_norm(metal, rows):
     assert np.abs(np.array(h) - h_ref).max() < 1e-5
 
 
+@pytest.mark.parametrize("parts, rows", [(3, 3), (8, 1), (2, 4)])
+def test_residual_norm_adds_parts_of_k(metal, parts, rows):
+    """f as (P, rows, n), a tensor-core product's parts of K (matvec's `parts`): against float64
+    with the parts summed, and bit for bit the kernel given the parts already added in order
+    p = 0, 1, ... (the order the kernel adds them in)."""
+    n = 1000
+    rng = np.random.default_rng([9, parts, rows])
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    f = (rng.standard_normal((parts, rows, n)) * rng.uniform(0.1, 10, (parts, 1, 1))).astype(np.float32)
+    w_post, w_next = (rng.uniform(0.5, 1.5, n).astype(np.float32) for _ in range(2))
+    x_out, h = metal.residual_norm(*(mx.array(a) for a in (x, f, w_post, w_next)), 1e-8, 1e-6, init_value=NAN)
+    x_ref = x.astype(np.float64) + rms(f.astype(np.float64).sum(axis=0), 1e-8) * w_post
+    assert np.abs(np.array(x_out) - x_ref).max() < 1e-5
+    assert np.abs(np.array(h) - rms(x_ref, 1e-6) * w_next).max() < 1e-5
+    summed = f[0].copy()
+    for p in range(1, parts):
+        summed = summed + f[p]   # float32, in order
+    x_one, h_one = metal.residual_norm(*(mx.array(a) for a in (x, summed, w_post, w_next)), 1e-8, 1e-6)
+    assert np.array_equal(np.array(x_out), np.array(x_one)) and np.array_equal(np.array(h), np.array(h_one))
+
+
 def test_whole_model_on_emulated_metal_kernels(metal, tmp_path):
     """The kernel path end to end with every kernel's Metal text emulated: a random-block
     Q4_K_M-layout fixture, 3 prompt tokens (batched matvecs) and 6 decode steps (the streaming

@@ -57,7 +57,8 @@ class Kernels:
 
     # ---- matrix products over raw GGUF blocks ----
 
-    def matvec(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None) -> mx.array:
+    def matvec(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None,
+               parts: bool = False) -> mx.array:
         """x (B, K) float32, 1 <= B <= MAX_BATCH; w the raw GGUF rows (N, row_bytes) uint8 -> (B, N) float32.
 
         A type with a streaming kernel takes it (matvec_stream.inc): one row with x in
@@ -65,7 +66,9 @@ class Kernels:
         plan.stream_batch_rows allows; otherwise matvec.inc. Each reads each weight once for
         all the rows of its launch. On CUDA several rows take the tensor cores (_takes_mma, which
         also says what KernelConfig.batch_invariant changes). `init_value` pre-fills the output
-        (tests poison it with NaN to catch unwritten elements)."""
+        (tests poison it with NaN to catch unwritten elements). `parts`: where one tensor-core
+        launch splits K into parts, its (P, B, N) products unsummed, for residual_norm to add as it
+        loads them (no node of their own)."""
         B, K = x.shape
         if not 1 <= B <= plan.MAX_BATCH:
             raise ValueError(f"matvec takes 1..{plan.MAX_BATCH} rows, got {B}")
@@ -73,7 +76,7 @@ class Kernels:
         N = w.shape[0]
         if self._takes_mma(qtype, K, N, B):
             if B <= plan.MMA_MAX_ROWS:
-                return self.matvec_mma(w, qtype, x, init_value=init_value)
+                return self.matvec_mma(w, qtype, x, init_value=init_value, parts=parts)
             return mx.concatenate([self.matvec_mma(w, qtype, x[b:b + plan.MMA_MAX_ROWS], init_value=init_value)
                                    for b in range(0, B, plan.MMA_MAX_ROWS)], axis=0)
         if plan.streams(qtype, K) and (B == 1 and not self.config.batch_invariant
@@ -111,17 +114,19 @@ class Kernels:
                 and N >= (config.mma_pair_min_rows if B == 2 else config.mma_min_rows)
                 and plan.mma_plan(qtype, K, N, B, self.device, self.config) is not None)
 
-    def matvec_mma(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None) -> mx.array:
+    def matvec_mma(self, w: mx.array, qtype: QT, x: mx.array, init_value: float | None = None,
+                   parts: bool = False) -> mx.array:
         """The tensor-core form (matvec_stream.inc, mma_*) over 1..4 rows of x (B, S), each row's K
         values from its start, on any backend (Metal runs it through a slow stand-in for the mma;
-        its plans choose x_shared). -> (B, N) float32."""
+        its plans choose x_shared). -> (B, N) float32, or with `parts` (P, B, N) where the plan
+        splits K into P > 1 parts."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         B, stride = x.shape
         if plan.mma_plan(qtype, K, w.shape[0], B, self.device, self.config) is None:
             raise ValueError(f"the tensor-core matvec does not take {qtype.name} with K = {K} and {B} rows")
         name, memory, launch = plan.mma_launch(qtype, K, w.shape[0], self.device, self.config, B, stride)
         y = self.kernel(name, memory)(inputs=[w, x.astype(mx.float32)], init_value=init_value, **launch)[0]
-        if y.ndim == 2:
+        if y.ndim == 2 or parts:
             return y
         if not self.config.batch_invariant:
             return y.sum(axis=0)
@@ -138,7 +143,7 @@ class Kernels:
         return self.kernel(name)(inputs=[w], init_value=init_value, **launch)[0]
 
     def matvec_silu(self, w: mx.array, qtype: QT, gate: mx.array, up: mx.array, up_offset: int = 0,
-                    init_value: float | None = None) -> mx.array:
+                    init_value: float | None = None, parts: bool = False) -> mx.array:
         """W @ (silu(gate) * up) for B token rows (plan.streams(qtype, K) must hold, and for B > 1
         stream_batch_rows(K) >= 2). gate, up: (B, S) float32 of one row stride S; per row, gate's
         K values from its start and up's from `up_offset` (pass one stacked gate|up output as
@@ -148,13 +153,14 @@ class Kernels:
         made inside that kernel, every threadgroup made it twice and the form's registers held it
         to fewer warps (at B = 4 FFN down Q4_K 111 against 62 µs; H200, c202a3c, ledger).
         Under KernelConfig.batch_invariant one row takes the tensor cores too where several do
-        (_takes_mma), and the ops stream a single row only where several rows may (GpuOps.down_silu)."""
+        (_takes_mma), and the ops stream a single row only where several rows may (GpuOps.down_silu).
+        `parts` as matvec's."""
         K = w.shape[1] // plan.ROW_BYTES_PER_256[qtype] * 256
         if gate.shape != up.shape:
             raise ValueError(f"matvec_silu: gate {gate.shape} and up {up.shape} must have one shape")
         if (gate.shape[0] > 1 or self.config.batch_invariant) and self._takes_mma(qtype, K, w.shape[0], gate.shape[0]):
             g, u = gate[:, :K], up[:, up_offset:up_offset + K]
-            return self.matvec(w, qtype, nn.silu(g) * u, init_value)
+            return self.matvec(w, qtype, nn.silu(g) * u, init_value, parts=parts)
         return self._stream(w, qtype, K, w.shape[0], "_silu", [gate, up], up_offset, init_value)
 
     def _stream(self, w: mx.array, qtype: QT, K: int, N: int, act: str, xs: list[mx.array], up_offset: int,
@@ -260,12 +266,18 @@ class Kernels:
     def residual_norm(self, x: mx.array, f: mx.array, w_post: mx.array, w_next: mx.array, eps_post: float,
                       eps_next: float, init_value: float | None = None) -> tuple[mx.array, mx.array]:
         """Per row of x, f (R, N) f32: r = x + rmsnorm(f, eps_post) * w_post, h = rmsnorm(r, eps_next) * w_next
-        -> (r, h). The epsilons are compiled into the kernel (as qk_post's)."""
+        -> (r, h). f may come as (P, R, N), the parts of K of a tensor-core product (matvec's
+        `parts`): added in order p = 0, 1, ... as the kernel loads them. The epsilons are compiled
+        into the kernel (as qk_post's)."""
         rows, n = x.shape
+        parts = f.shape[0] if f.ndim == 3 else 1
+        if f.shape[-2:] != (rows, n):
+            raise ValueError(f"residual_norm: f {f.shape} does not hold x's {x.shape}")
         tpg = min(1024, -(-n // 32) * 32)
         x_out, h = self.kernel("residual_norm")(
             inputs=[x, f, w_post, w_next],
-            template=[("N", n), ("TPG", tpg), ("EPS_POST", float_bits(eps_post)), ("EPS_NEXT", float_bits(eps_next))],
+            template=[("N", n), ("TPG", tpg), ("EPS_POST", float_bits(eps_post)), ("EPS_NEXT", float_bits(eps_next)),
+                      ("FP", parts), ("R", rows if parts > 1 else 0)],
             grid=(tpg, rows, 1), threadgroup=(tpg, 1, 1), output_shapes=[(rows, n), (rows, n)],
             output_dtypes=[mx.float32, mx.float32], init_value=init_value, stream=mx.gpu)
         return x_out, h

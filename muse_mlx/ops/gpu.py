@@ -323,6 +323,13 @@ class GpuOps(ReferenceOps):
             self._l1_max[key] = mx.max(mx.sum(mx.abs(w16.astype(mx.float32)), axis=-1)).reshape(1)
         return f16_product(x, self.weights_f16(w) if w16 is None else w16, self._l1_max[key])
 
+    def project_out(self, w: Matrix, x: mx.array) -> mx.array:
+        """Where the tensor cores split K (o_proj's 4,096 in parts at two to four rows), the parts
+        unsummed: residual_norm adds them as it loads them, so their sum is no node of its own."""
+        if w.raw and x.shape[0] <= kplan.MAX_BATCH:
+            return self.kernels.matvec(w.data, w.qtype, x, parts=bool(self.kernels.config.residual_parts))
+        return self.project(w, x)
+
     def logits(self, w: Matrix, h: mx.array) -> mx.array:
         """The LM head keeps float32 products for long chunks (every position's logits, as parity
         and perplexity ask): an f16 result would carry ~2^-12 of each logit into the log-probs."""
@@ -344,7 +351,8 @@ class GpuOps(ReferenceOps):
         if (w.raw and gate.offset == 0 and gate.array.shape == up.array.shape and kplan.streams(w.qtype, w.n_in)
                 and (one_row or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
                 and rows <= kplan.MAX_BATCH):
-            return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset)
+            return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset,
+                                       parts=bool(kernels.config.residual_parts))
         return super().down_silu(w, gate, up)
 
     def qk_post(self, q, k, v, q_norm, k_norm, rope, rope_half, g: Geometry, kv_dtype):
@@ -356,6 +364,7 @@ class GpuOps(ReferenceOps):
                                     offsets=(q.offset, k.offset, v.offset))
 
     def residual_norm(self, x, f, w_post, w_next, eps_post, eps_next):
+        """f may hold a tensor-core product's parts of K (project_out, down_silu): (P, rows, n)."""
         if x.shape[0] > kplan.MAX_BATCH:
             return super().residual_norm(x, f, w_post, w_next, eps_post, eps_next)
         return self.kernels.residual_norm(x, f, w_post, w_next, eps_post, eps_next)

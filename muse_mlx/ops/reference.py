@@ -180,12 +180,17 @@ class ReferenceOps:
         """x (rows, in) -> x W^T (rows, out), float32."""
         return x @ w.data.T
 
+    def project_out(self, w: Matrix, x: mx.array) -> mx.array:
+        """A sub-layer's output projection, whose value only residual_norm reads: project's (GpuOps
+        may leave a tensor-core product's parts of K unsummed, for its residual_norm to add)."""
+        return self.project(w, x)
+
     def logits(self, w: Matrix, h: mx.array) -> mx.array:
         """The output projection (the LM head): h (rows, n_embd) -> (rows, n_vocab) float32."""
         return self.project(w, h)
 
     def down_silu(self, w: Matrix, gate: Slice, up: Slice) -> mx.array:
-        """The FFN down projection of silu(gate) * up."""
+        """The FFN down projection of silu(gate) * up; only residual_norm reads it (project_out)."""
         return self.project(w, silu_mul(gate.dense(), up.dense()))
 
     def qk_post(self, q: Slice, k: Slice, v: Slice, q_norm: mx.array, k_norm: mx.array, rope: mx.array,

@@ -723,6 +723,41 @@ def test_qk_post(n_head, n_kv, hd, rope_half, rows):
     assert ok, (eq, worst_k, v_exact)
 
 
+@pytest.mark.parametrize("qtype, k", [(QT.Q4_K, 4096), (QT.Q6_K, 19968), (QT.Q4_K, 19968)],
+                         ids=["o_proj", "down-Q6_K", "down-Q4_K"])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_residual_norm_takes_the_parts_of_k(qtype, k, rows):
+    """A tensor-core product whose plan splits K (o_proj's 4,096 in eight parts, FFN down's 19,968
+    in six) left in parts (matvec's `parts`) and added by residual_norm as it loads them: bit for
+    bit residual_norm of the parts added in order by MLX ops, and within 1e-6 of float64's
+    residual step over the summed product."""
+    n = 6656
+    rng = np.random.default_rng([SEED, k, rows, int(qtype), 14])
+    kernels = Kernels(gpu_device(), KernelConfig())
+    assert kernels._takes_mma(qtype, k, n, rows) and plan.mma_plan(qtype, k, n, rows, kernels.device,
+                                                                 kernels.config).parts > 1
+    w = mx.array(random_blocks(n, k, qtype, rng))
+    xin = mx.array(rng.standard_normal((rows, k)).astype(np.float32))
+    parts = kernels.matvec(w, qtype, xin, parts=True)
+    assert parts.ndim == 3 and parts.shape[1:] == (rows, n)
+    x = rng.standard_normal((rows, n)).astype(np.float32) * 4
+    wp, wn = (rng.uniform(0.2, 2.0, n).astype(np.float32) for _ in range(2))
+    xo, h = kernels.residual_norm(mx.array(x), parts, mx.array(wp), mx.array(wn), 1e-8, 1e-3)
+    summed = parts[0]
+    for p in range(1, parts.shape[0]):
+        summed = summed + parts[p]
+    xs, hs = kernels.residual_norm(mx.array(x), summed, mx.array(wp), mx.array(wn), 1e-8, 1e-3)
+    f64 = np.array(parts).astype(np.float64).sum(axis=0)
+    x_ref = x.astype(np.float64) + rmsnorm64(f64, wp, 1e-8)
+    ex, eh = rel_err(np.array(xo).astype(np.float64), x_ref), rel_err(np.array(h).astype(np.float64),
+                                                                    rmsnorm64(x_ref, wn, 1e-3))
+    same = bool(np.array_equal(np.array(xo), np.array(xs)) and np.array_equal(np.array(h), np.array(hs)))
+    ok = bool(same and ex < 1e-6 and eh < 1e-6)
+    record("residual_norm_parts", qtype=qtype.name, k=k, rows=rows, parts=int(parts.shape[0]), same_as_ops=same,
+           x_rel_err=ex, h_rel_err=eh, **{"pass": ok})
+    assert ok, (same, ex, eh)
+
+
 @pytest.mark.parametrize("n, rows", [(6656, 1), (256, 1), (1000, 1), (4097, 1), (6656, 4)])
 def test_residual_norm(n, rows):
     """Per row: x + rmsnorm(f) * w_post (eps 1e-8), then rmsnorm of that (eps 1e-3) * w_next."""
