@@ -202,8 +202,7 @@ def test_batched_stream_rows_per_pass():
 
 def test_parts_of_k_reach_the_residual_step():
     """At two to four rows o_proj (8 parts of K) and FFN down (6) reach residual_norm as their parts,
-    which it adds (its FP), with no node of their own between; residual_parts = 0 sums them first
-    (FP = 1); one row streams, with no parts."""
+    which it adds (its FP), with no node of their own between; one row streams, with no parts."""
     from muse_mlx.kernels import Kernels
     from muse_mlx.ops.gpu import GpuOps
     from muse_mlx.ops.reference import Matrix, Slice
@@ -233,8 +232,6 @@ def test_parts_of_k_reach_the_residual_step():
         return seen["residual_norm"]["FP"], seen["residual_norm"]["R"]
     assert residual_fp(KernelConfig(), 4, "o_proj") == (8, 4) and residual_fp(KernelConfig(), 2, "o_proj") == (8, 2)
     assert residual_fp(KernelConfig(), 3, "down") == (6, 3)
-    assert residual_fp(KernelConfig(residual_parts=0), 4, "o_proj") == (1, 0)
-    assert residual_fp(KernelConfig(residual_parts=0), 3, "down") == (1, 0)
     assert residual_fp(KernelConfig(), 1, "o_proj") == (1, 0) == residual_fp(KernelConfig(), 1, "down")
 
 

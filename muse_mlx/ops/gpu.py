@@ -327,7 +327,7 @@ class GpuOps(ReferenceOps):
         """Where the tensor cores split K (o_proj's 4,096 in parts at two to four rows), the parts
         unsummed: residual_norm adds them as it loads them, so their sum is no node of its own."""
         if w.raw and x.shape[0] <= kplan.MAX_BATCH:
-            return self.kernels.matvec(w.data, w.qtype, x, parts=bool(self.kernels.config.residual_parts))
+            return self.kernels.matvec(w.data, w.qtype, x, parts=True)
         return self.project(w, x)
 
     def logits(self, w: Matrix, h: mx.array) -> mx.array:
@@ -351,8 +351,7 @@ class GpuOps(ReferenceOps):
         if (w.raw and gate.offset == 0 and gate.array.shape == up.array.shape and kplan.streams(w.qtype, w.n_in)
                 and (one_row or 2 <= kplan.stream_batch_rows(w.n_in, kernels.device, kernels.config))
                 and rows <= kplan.MAX_BATCH):
-            return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset,
-                                       parts=bool(kernels.config.residual_parts))
+            return kernels.matvec_silu(w.data, w.qtype, gate.array, up.array, up_offset=up.offset, parts=True)
         return super().down_silu(w, gate, up)
 
     def qk_post(self, q, k, v, q_norm, k_norm, rope, rope_half, g: Geometry, kv_dtype):
