@@ -500,27 +500,31 @@ def test_prefill_attention_is_planned_within_memory():
     (4, 100, 1280, {"mma_warps": 6, "mma_tile_warps": 3}),  # 5 blocks over 3 warps: one idle
     (4, 19, 6656, {"mma_tile_warps": 32}),                  # the whole threadgroup on one tile
 ], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{a}={c}" for a, c in v.items()) or "-")
-def test_tensor_core_matvec_q4k_block_plans(b, n, k, config):
-    """Q4_K's tensor-core form takes whole blocks (each lane on its own two groups, the mins as one
-    more mma), so its warps split K by blocks: against float64 on plans of every kind (parts of K,
-    tiles split between warps with a block count that does not divide, one tile a threadgroup)."""
+@pytest.mark.parametrize("qtype, kernel", [(QT.Q4_K, "matvec_mma_q4_k"), (QT.Q6_K, "matvec_mma_q6_k_blocks")],
+                         ids=["Q4_K", "Q6_K-blocks"])
+def test_tensor_core_matvec_block_plans(qtype, kernel, b, n, k, config):
+    """The block forms take whole blocks, so their warps split K by blocks: Q4_K's (each lane on its
+    own two groups, the mins as one more mma) and Q6_K's under mma_q6k_blocks (a block's scales and
+    d loaded once; 1,280 = 5 blocks puts every other row, and every other block, off 4-byte
+    boundaries), against float64 on plans of every kind (parts of K, tiles split between warps
+    with a block count that does not divide, one tile a threadgroup)."""
     from muse_mlx.kernels import Device, Kernels
     from metal_emulator import EmulatedKernel
     device = Device("metal", 4, 1 << 20) if k == 6656 or "mma_warps" in config else None
-    cfg = KernelConfig(stream_groups=2, **config)
+    cfg = KernelConfig(stream_groups=2, mma_q6k_blocks=int(qtype == QT.Q6_K), **config)
     kernels = (Kernels(device, cfg, build=lambda name, which, shared: EmulatedKernel(name)) if device
                else emulated_kernels(cfg))
-    p = plan.mma_plan(QT.Q4_K, k, n, b, kernels.device, kernels.config)
-    assert p is not None
+    p = plan.mma_plan(qtype, k, n, b, kernels.device, kernels.config)
+    assert p is not None and plan.mma_launch(qtype, k, n, kernels.device, kernels.config, b)[0] == kernel
     if k == 2048 and "mma_parts" not in config:
         assert p.parts > 1
     if "mma_tile_warps" in config and config["mma_tile_warps"] < 32:
         assert p.tile_warps == config["mma_tile_warps"] and p.warps > p.tile_warps, p
-    rng = np.random.default_rng([b, n, k, 31])
-    w = random_blocks(n, k, QT.Q4_K, rng)
+    rng = np.random.default_rng([b, n, k, int(qtype), 31])
+    w = random_blocks(n, k, qtype, rng)
     x = (rng.standard_normal((b, k)) * np.exp(rng.uniform(-6, 6, (b, 1)))).astype(np.float32)
-    out = np.array(kernels.matvec_mma(mx.array(w), QT.Q4_K, mx.array(x), init_value=NAN))
-    W = dense(w, QT.Q4_K, n, k)
+    out = np.array(kernels.matvec_mma(mx.array(w), qtype, mx.array(x), init_value=NAN))
+    W = dense(w, qtype, n, k)
     assert out.shape == (b, n) and np.isfinite(out).all()
     assert err_over_terms(out, x @ W.T, np.abs(x) @ np.abs(W).T) < 1e-6
 

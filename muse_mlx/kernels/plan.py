@@ -179,6 +179,20 @@ def _mma_warps(units: int, limit: int) -> int:
 
 # The units of K a warp takes at a time: Q4_K's loop takes whole blocks (mma_q4_k_block_loop).
 MMA_GRANULE = {QT.Q4_K: 4, QT.Q6_K: 1}
+# Q6_K's block form (KernelConfig.mma_q6k_blocks, mma_q6_k_block_loop): whole blocks; nvcc 13.0 gives
+# it 56-72 registers, split forms included (2026-12-05, local); NVRTC's builds took up to 8 more than
+# nvcc's elsewhere, so 80 with no split margin until ncu reads it.
+MMA_Q6K_BLOCK_REGISTERS = 80
+
+
+def _mma_form(qtype: QT, config: KernelConfig) -> tuple[str, int, int, int]:
+    """(kernel name, granule, registers of the whole form, of the split form) of the tensor-core
+    form for qtype under config."""
+    variant = STREAM_VARIANTS[qtype][0]
+    if qtype == QT.Q6_K and config.mma_q6k_blocks:
+        return f"matvec_mma_{variant}_blocks", 4, MMA_Q6K_BLOCK_REGISTERS, MMA_Q6K_BLOCK_REGISTERS
+    regs = MMA_REGISTERS[qtype]
+    return f"matvec_mma_{variant}", MMA_GRANULE[qtype], regs, regs + MMA_SPLIT_MARGIN[qtype]
 
 # A round's barrier and partial sums (KW > 1), in units of one warp's work on one 64-value unit of
 # a tile (a planning value, not measured).
@@ -213,9 +227,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units = K // 64
-    granule = MMA_GRANULE[qtype]
-    whole_regs = MMA_REGISTERS[qtype]
-    split_regs = whole_regs + MMA_SPLIT_MARGIN[qtype]
+    _, granule, whole_regs, split_regs = _mma_form(qtype, config)
     limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
     tiles = -(-N // 16)
     first = max(1, config.mma_parts)
@@ -258,7 +270,7 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
+    return _mma_form(qtype, config)[0], p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 

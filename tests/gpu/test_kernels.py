@@ -437,6 +437,21 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
                  kernels=kernels, warps=p.warps, tile_warps=p.tile_warps)
 
 
+@pytest.mark.parametrize("shape", [(20011, 6656), (6656, 19968), (8704, 6656), (100, 1280), (37, 768)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_tensor_core_q6k_blocks(shape, batch):
+    """Q6_K's block form (mma_q6k_blocks=1) on its own plans: the LM head's K over 20,011 rows, FFN down's
+    Q6_K half in six parts, a stacked Q|K|gate|V shape, 5 blocks a row (every other row and block
+    off 4-byte boundaries), a few rows."""
+    n, k = shape
+    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_pair_min_rows=0, mma_min_rows=0, mma_q6k_blocks=1))
+    assert kernels._takes_mma(QT.Q6_K, k, n, batch)
+    assert plan.mma_launch(QT.Q6_K, k, n, kernels.device, kernels.config, batch)[0] == "matvec_mma_q6_k_blocks"
+    check_matvec("matvec_mma_q6k_blocks", QT.Q6_K, n, k, batch, np.random.default_rng([SEED, n, k, batch, 35]),
+                 kernels=kernels, stream_mma=2, rows_per_launch=plan.stream_batch_rows(k, KERNELS.device, KERNELS.config))
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_tensor_core_matvec_rows_of_any_size(qtype, rows):
