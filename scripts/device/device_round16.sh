@@ -8,7 +8,8 @@
 #          GPU_TESTS_LIMIT (seconds, default 300): the checks' limit; on a fresh machine they print
 #          nothing within 120 s (their first kernel builds; e728462's and 3bcbcd1's leases).
 #          PROBE ("tag:KERNEL_CONFIG;..."): before the packed step, the products alone
-#          (probe_mma.py at B = 2 and 4) under each configuration.
+#          (probe_mma.py at B = 2 and 4) under each configuration; PROBE_SHAPES (probe_mma.py's
+#          names, ";"-separated): only those products.
 #   final  call 3 (carry .device/revision): with the build done, the engine loop (SCHED slots) and
 #          the packed step, in turn: the default; llama-batched-bench; the default with
 #          --sched-constraint lazy, then text (llguidance must be among part 2's wheels), then dry
@@ -54,7 +55,8 @@ lean)
     > "$OUT/gpu-tests.log" 2>&1
   tail -4 "$OUT/gpu-tests.log"; echo "checks at $(( $(date +%s) - T0 )) s"
   if [ -n "${PROBE:-}" ] && t=$(limit 150); then   # the products alone, by kernel configuration
-    timeout "$t" python3 scripts/device/probe_mma.py 2,4 "$PROBE" "$OUT/probe-mma.json" > "$OUT/probe-mma.log" 2>&1
+    timeout "$t" python3 scripts/device/probe_mma.py 2,4 "$PROBE" "$OUT/probe-mma.json" 20 ${PROBE_SHAPES:+"$PROBE_SHAPES"} \
+      > "$OUT/probe-mma.log" 2>&1
     echo "[probe] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-90 "$OUT/probe-mma.log"
   fi
   for pass in 1 2; do
