@@ -289,6 +289,14 @@ def test_tensor_core_plans_fit_the_hardware():
         for tile_warps in (0, 1, 32):
             p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps))
             assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
+    # Q6_K's block form (mma_q6k_blocks): its own registers, K split in whole blocks
+    for k, n in ((6656, 202048), (19968, 6656)):
+        for tile_warps in (0, 1, 32):
+            config = KernelConfig(mma_q6k_blocks=1, mma_warps=32, mma_tile_warps=tile_warps)
+            p = plan.mma_plan(QT.Q6_K, k, n, 4, h200, config)
+            assert 32 * p.warps * plan.MMA_Q6K_BLOCK_REGISTERS <= plan.GROUP_REGISTERS
+            assert (k // 64 // p.parts) % 4 == 0 and p.warps % p.tile_warps == 0
+            assert plan.mma_launch(QT.Q6_K, k, n, h200, config, 4)[0] == "matvec_mma_q6_k_blocks"
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
 
