@@ -70,6 +70,14 @@ __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t 
   return r;
 }
 #define HFMA2_BITS(a, b, c) hfma2_bits((a), (b), (c))
+// (a & m) | c as one logic instruction (LOP3 takes one immediate: m; c stays in a register, made
+// once, where the compiler's own and-then-or spends two instructions with both as immediates).
+__device__ __forceinline__ uint32_t mask_or(uint32_t a, uint32_t m, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(m), "r"(c));
+  return r;
+}
+#define MASK_OR(a, m, c) mask_or((a), (m), (c))
 // d[0..3] += A B on the tensor cores: mma.m16n8k16, f16 inputs, float32 accumulation (sm_80 on).
 // Fragments as PTX lays them out, lane = 4 g + t: A (16 x 16, row-major) a0 = rows g, columns
 // 2t, 2t+1; a1 = row g + 8, the same columns; a2, a3 = the same rows, columns + 8; B (16 x 8)

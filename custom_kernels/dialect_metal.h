@@ -53,6 +53,7 @@ inline uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
   return uint32_t(as_type<ushort>(lo)) | (uint32_t(as_type<ushort>(hi)) << 16);
 }
 #define HFMA2_BITS(a, b, c) hfma2_bits((a), (b), (c))
+#define MASK_OR(a, m, c) (((a) & (m)) | (c))
 // A stand-in for CUDA's mma.m16n8k16 (dialect_cuda.h has the fragment layout), by SIMD-group
 // shuffles and float32 arithmetic: correct, not fast. No Metal plan chooses the kernels that use
 // it (kernels/plan.py); it lets their Metal text run in the emulator.

@@ -9,7 +9,10 @@
 #          nothing within 120 s (their first kernel builds; e728462's and 3bcbcd1's leases).
 #          PROBE ("tag:KERNEL_CONFIG;..."): before the packed step, the products alone
 #          (probe_mma.py at B = 2 and 4) under each configuration; PROBE_SHAPES (probe_mma.py's
-#          names, ";"-separated): only those products.
+#          names, ";"-separated): only those products. With a base tree in .device/base (carry it;
+#          `git archive BASE muse_mlx custom_kernels | (mkdir -p .device/base && tar x -C
+#          .device/base)`, `git rev-parse --short BASE > .device/base/revision`), each pass also
+#          times its packed step with its own defaults (packed-base-PASS).
 #   final  call 3 (carry .device/revision): with the build done, the engine loop (SCHED slots) and
 #          the packed step, in turn: the default; llama-batched-bench; the default with
 #          --sched-constraint lazy, then text (llguidance must be among part 2's wheels), then dry
@@ -38,6 +41,13 @@ packed() {  # TAG KERNEL_CONFIG [ENV=VALUE ...]: the packed step's cells alone
     --batch "$SLOTS" --depth 512 --kernel-config "$cfg" --receipt "$OUT/packed-$tag.json" > "$OUT/packed-$tag.log" 2>&1
   echo "[packed $tag] rc $? at $(( $(date +%s) - T0 )) s"; grep -E "^batch|rror" "$OUT/packed-$tag.log" | cut -c1-200
 }
+packed_base() {  # TAG: the packed step's cells in the base tree .device/base (its own defaults)
+  local tag=$1 t; t=$(limit 150) || return 1
+  (cd .device/base && PYTHONPATH="$PWD:$PYTHONPATH" MUSE_GIT_REVISION="$(cat revision)" timeout "$t" \
+    python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm '' --batch "$SLOTS" --depth 512 \
+    --receipt "$OUT/packed-$tag.json" > "$OUT/packed-$tag.log" 2>&1)
+  echo "[packed $tag] rc $? at $(( $(date +%s) - T0 )) s"; grep -E "^batch|rror" "$OUT/packed-$tag.log" | cut -c1-200
+}
 sched() {  # TAG KERNEL_CONFIG CONSTRAINT [ENV=VALUE ...]: the engine loop and the packed step
   local tag=$1 cfg=$2 constraint=$3 t; shift 3; t=$(limit 200) || return 1
   env "$@" timeout "$t" python3 -m muse_mlx.tools.bench_serving --model $G --synthetic --warm '' \
@@ -62,6 +72,7 @@ lean)
   for pass in 1 2; do
     packed "default-$pass" "" || break
     for v in ${VARIANTS:-}; do packed "${v%%:*}-$pass" "${v#*:}" || break 2; done
+    if [ -d .device/base ]; then packed_base "base-$pass" || break; fi
   done
   ;;
 final)
