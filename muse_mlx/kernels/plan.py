@@ -177,9 +177,9 @@ def _mma_warps(units: int, limit: int) -> int:
     return min(range(1, min(units, limit) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
 
 
-# The units of K a warp takes at a time: Q4_K's loop takes whole blocks (mma_q4_k_block_loop).
+# The units of K a warp takes at a time: Q4_K's loop takes whole blocks (mma_block_tiles, mma_q4_k_block).
 MMA_GRANULE = {QT.Q4_K: 4, QT.Q6_K: 1}
-# Q6_K's block form (KernelConfig.mma_q6k_blocks, mma_q6_k_block_loop): whole blocks; nvcc 13.0 gives
+# Q6_K's block form (KernelConfig.mma_q6k_blocks, mma_q6_k_block): whole blocks; nvcc 13.0 gives
 # it 56-72 registers, split forms included (2026-12-05, local); NVRTC's builds took up to 8 more than
 # nvcc's elsewhere, so 80 with no split margin until ncu reads it.
 MMA_Q6K_BLOCK_REGISTERS = 80

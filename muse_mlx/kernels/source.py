@@ -42,10 +42,10 @@ KERNELS = {
     # mma.m16n8k16, x's fragments in threadgroup memory (the FFN down input is made before it:
     # launch.Kernels.matvec_silu)
     **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", *loop, "mma_close"], ["w", "x"], ["y"])
-       for v, loop in (("q4_k", ["mma_q4_k_block_loop"]), ("q6_k", ["mma_tiles", "mma_q6_k_unit"]))},
+       for v, loop in (("q4_k", ["mma_block_tiles", "mma_q4_k_block"]), ("q6_k", ["mma_tiles", "mma_q6_k_unit"]))},
     # Q6_K a whole block a step, its scales and d loaded once a block (KernelConfig.mma_q6k_blocks)
-    "matvec_mma_q6_k_blocks": ("matvec_stream", ["x_plain", "mma_q6_k", "mma_prologue", "mma_q6_k_block_loop",
-                                                 "mma_close"], ["w", "x"], ["y"]),
+    "matvec_mma_q6_k_blocks": ("matvec_stream", ["x_plain", "mma_q6_k", "mma_prologue", "mma_block_tiles",
+                                                 "mma_q6_k_block", "mma_close"], ["w", "x"], ["y"]),
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)
