@@ -56,15 +56,16 @@ CASES = [
       for k, nw, kw, kp in ((4096, 16, 16, 1), (4096, 20, 5, 1), (6656, 26, 26, 1), (6656, 25, 5, 1), (6656, 20, 4, 1),
                             (6656, 19, 1, 1), (19968, 13, 13, 2))
       for b in (2, 4)],
-    *[("attention_partial", ["float32", "float16", "float16", "int32"], ["float32", "float32"],
-       [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk)])
-      for hd, g, hpw, cap, chunk in ((128, 16, 4, 131072, 128), (128, 16, 4, 2048, 32), (48, 6, 2, 64, 64))],
+    # q, the layer's K|V storage (2, NKV, CAP, HD), params
+    *[("attention_partial", ["float32", "float16", "int32"], ["float32", "float32"],
+       [("HD", hd), ("G", g), ("HPW", hpw), ("NKV", nkv), ("CAP", cap), ("CHUNK", chunk)])
+      for hd, g, hpw, nkv, cap, chunk in ((128, 16, 4, 2, 131072, 128), (128, 16, 4, 2, 2048, 32), (48, 6, 2, 1, 64, 64))],
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4)]),
     ("attention_combine", ["float32", "float32", "int32"], ["float32"], [("HD", 48), ("CW", 4)]),
     ("attention_combine_gated", ["float32", "float32", "int32", "float32"], ["float32"],
      [("HD", 128), ("CW", 4), ("GATE_OFF", 4352)]),
-    # the same over 4 sequences in one launch (q, keys0..3, values0..3, params)
-    *[("attention_partial_seqs", ["float32"] + ["float16"] * 8 + ["int32"], ["float32", "float32"],
+    # the same over 4 sequences in one launch (q, each sequence's K|V storage, params)
+    *[("attention_partial_seqs", ["float32"] + ["float16"] * 4 + ["int32"], ["float32", "float32"],
        [("HD", hd), ("G", g), ("HPW", hpw), ("CAP", cap), ("CHUNK", chunk), ("NKV", nkv)])
       for hd, g, hpw, cap, chunk, nkv in ((128, 16, 4, 131072, 128, 2), (48, 6, 2, 64, 64, 1))],
     ("attention_combine_seqs", ["float32", "float32", "int32"], ["float32"], [("HD", 128), ("CW", 4), ("NH", 32)]),
@@ -75,9 +76,11 @@ CASES = [
        [("HD", hd), ("G", g), ("NKV", nkv), ("NW", 4), ("KB", kb)])
       for hd, g, nkv, kb in ((128, 16, 2, 64), (48, 6, 2, 64), (256, 8, 4, 32))],
     # q, k, v from one stacked Q|K|gate|V row per token (row stride 68 heads)
-    *[("qk_post", ["float32"] * 7, ["float32", "float16", "float16"],
+    # (q, k, v, q_norm, k_norm, rope) -> q normed and rotated, K|V
+    *[("qk_post", ["float32"] * 6, ["float32", "float16"],
        [("HD", hd), ("NH", 32), ("NKV", 2), ("ROPE_HALF", rh), ("TPG", -(-hd // 32) * 32), ("Q_OFF", 0),
-        ("K_OFF", 32 * hd), ("V_OFF", 66 * hd), ("QS", 68 * hd), ("KS", 68 * hd), ("VS", 68 * hd), ("ROWS", 1)])
+        ("K_OFF", 32 * hd), ("V_OFF", 66 * hd), ("QS", 68 * hd), ("KS", 68 * hd), ("VS", 68 * hd), ("ROWS", 1),
+        ("EPS", 0x358637BD)])
       for hd, rh in ((128, 64), (128, 0), (48, 16))],
     *[("residual_norm", ["float32"] * 5, ["float32", "float32"],
        [("N", 6656), ("TPG", 1024), ("EPS_POST", 0x322BCC77), ("EPS_NEXT", 0x358637BD), ("FP", fp), ("R", r)])
