@@ -247,7 +247,7 @@ def test_tensor_core_plans_fit_the_hardware():
     stream_mma=0 on CUDA."""
     from muse_mlx.kernels import Kernels
     h200 = Device("cuda", 132, 232448)
-    whole = KernelConfig(mma_tile_warps=32, mma_parts=0)     # the whole threadgroup on one tile
+    whole = KernelConfig(mma_tile_warps=32, mma_parts=0, mma_q6k_blocks=0)   # the whole threadgroup on one tile
     for k, parts in ((19968, 6), (4096, 8), (6656, 1)):
         assert plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig()).parts == parts
     for qtype, expect in ((QT.Q4_K, ((4096, 16, 1), (6656, 13, 1), (19968, 13, 2))),
@@ -282,12 +282,14 @@ def test_tensor_core_plans_fit_the_hardware():
     assert pair._takes_mma(QT.Q4_K, 6656, 39936, 2) and pair._takes_mma(QT.Q4_K, 6656, 16384, 2)
     assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4)
     # asked-for warps, capped by the registers a multiprocessor holds
-    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 13
-    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 26
+    unit = {"mma_q6k_blocks": 0}
+    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32, **unit)).warps == 13
+    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32, **unit)).warps == 26
     assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 13   # 21 fit
     for qtype, regs in plan.MMA_REGISTERS.items():
         for tile_warps in (0, 1, 32):
-            p = plan.mma_plan(qtype, 19968, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps))
+            p = plan.mma_plan(qtype, 19968, 6656, 4, h200,
+                              KernelConfig(mma_warps=32, mma_tile_warps=tile_warps, mma_q6k_blocks=0))
             assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
     # Q6_K's block form (mma_q6k_blocks): its own registers, K split in whole blocks
     for k, n in ((6656, 202048), (19968, 6656)):

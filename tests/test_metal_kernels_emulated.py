@@ -122,15 +122,14 @@ def test_tensor_core_matvec_in_parts(qtype):
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_tensor_core_matvec_many_warps(qtype):
-    """The whole threadgroup on one tile, on a device with room for the reduction buffers: Q6_K 26
-    warps of four units each at K = 6,656 and 20 of two at 2,560; Q4_K, whose warps take whole
-    blocks within 96 registers (21 warps at most), 13 of two blocks and 10 of one."""
+    """The whole threadgroup on one tile, on a device with room for the reduction buffers. Both
+    forms' warps take whole blocks (Q4_K within 96 registers: 21 warps at most; Q6_K's block form
+    within 80: 25), so 13 warps of two blocks at K = 6,656 and 10 of one at 2,560."""
     from muse_mlx.kernels import Device, Kernels
     from metal_emulator import EmulatedKernel
     big = Kernels(Device("metal", 4, 1 << 20), KernelConfig(stream_groups=2, mma_tile_warps=32),
                   build=lambda name, which, shared: EmulatedKernel(name))
-    shapes = ((19, 6656, 26), (16, 2560, 20)) if qtype == QT.Q6_K else ((19, 6656, 13), (16, 2560, 10))
-    for n, k, warps in shapes:
+    for n, k, warps in ((19, 6656, 13), (16, 2560, 10)):
         assert plan.mma_plan(qtype, k, n, 4, big.device, big.config).warps == warps
         check_mma_against_float64(big, qtype, n, k, 4)
 
