@@ -302,6 +302,30 @@ def test_tensor_core_plans_fit_the_hardware():
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
 
+def test_q4k_plans_keep_to_the_checked_warps_a_tile():
+    """Left to the planner, Q4_K's block form puts at most MMA_CHECKED_TILE_WARPS (5) warps on a
+    tile at every row count and device size: 256 x 6,656 at two to four rows took 21 and summed
+    wrong on an H100 (98cd826). The pinned model's Q4_K products on a 132-multiprocessor device
+    keep the plans they were measured with; an explicit mma_tile_warps still decides."""
+    limit = plan.MMA_CHECKED_TILE_WARPS[QT.Q4_K]
+    assert limit == 5
+    for cores in (4, 66, 114, 132):
+        device = Device("cuda", cores, 232448)
+        for k in (768, 4096, 6656, 19968):
+            for n in (37, 256, 512, 1024, 2048, 4096, 8448, 39936):
+                for b in (2, 3, 4):
+                    p = plan.mma_plan(QT.Q4_K, k, n, b, device, KernelConfig())
+                    assert p.tile_warps <= limit, (cores, k, n, b, p)
+    h200 = Device("cuda", 132, 232448)
+    for (n, k), (warps, parts, tile_warps) in {(39936, 6656): (19, 1, 1), (8448, 6656): (20, 1, 5),
+                                               (8704, 6656): (20, 1, 4), (6656, 4096): (21, 8, 1),
+                                               (6656, 19968): (19, 6, 1)}.items():
+        for b in (2, 3, 4):
+            p = plan.mma_plan(QT.Q4_K, k, n, b, h200, KernelConfig())
+            assert (p.warps, p.parts, p.tile_warps) == (warps, parts, tile_warps), (n, k, b, p)
+    assert plan.mma_plan(QT.Q4_K, 6656, 256, 4, h200, KernelConfig(mma_tile_warps=13)).tile_warps == 13
+
+
 def test_tensor_core_knobs_route_the_products():
     """mma_min_rows keeps matrices below it on x_shared at three and four rows (V's 256 rows) and
     leaves two rows to mma_pair_min_rows; mma_parts splits K into at least that many parts where

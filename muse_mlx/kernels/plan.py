@@ -199,10 +199,18 @@ def _mma_form(qtype: QT, config: KernelConfig) -> tuple[str, int, int, int]:
 MMA_ROUND_UNITS = 2
 
 
+# The most warps a tile that the planner gives a form on its own (KernelConfig.mma_tile_warps = 0):
+# Q4_K's block form passed the GPU checks with up to five warps a tile (8,448 x 6,656 at B = 2-4,
+# 7b7d60d H200, 98cd826 H100) and summed wrong with 21 (a whole threadgroup of 21 warps on one tile,
+# 256 x 6,656, 98cd826 H100: error over the terms 0.023 / 0.21 / 2e19 at B = 2 / 3 / 4, where the
+# emulator gives the float64 sums; cause not found). None of the pinned model's products changes.
+MMA_CHECKED_TILE_WARPS = {QT.Q4_K: 5}
+
+
 def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int = 0,
-              granule: int = 1) -> tuple[int, int]:
+              granule: int = 1, most_kw: int = 0) -> tuple[int, int]:
     """(NW, KW) of the tensor-core form: at most `limit` warps a threadgroup, KW (tile_warps
-    when given) of them on each tile. Chosen to make the busiest warp's work the least, counted
+    when given, else at most most_kw where that is set) of them on each tile. Chosen to make the busiest warp's work the least, counted
     in units of K: rounds x (units a warp of a tile + MMA_ROUND_UNITS where KW > 1), where a
     round gives each of `groups` threadgroups NW / KW tiles, and a warp's units come `granule`
     at a time (MMA_GRANULE); on a tie, the most threadgroups busy, then the
@@ -212,7 +220,7 @@ def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int =
         rounds = -(-tiles // (groups * tpg))
         return (rounds * (granule * -(-units // (granule * kw)) + (MMA_ROUND_UNITS if kw > 1 else 0)),
                 -min(groups, -(-tiles // tpg)), -nw)
-    kws = [tile_warps] if tile_warps else range(1, min(limit, units // granule) + 1)
+    kws = [tile_warps] if tile_warps else range(1, min(limit, units // granule, most_kw or limit) + 1)
     return min(((nw, kw) for kw in kws for nw in range(kw, limit + 1, kw)), key=lambda p: cost(*p))
 
 
@@ -242,7 +250,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
             warps = kw = _mma_warps(upp // granule, limit)
         elif room >= max(1, config.mma_tile_warps):
             warps, kw = mma_split(tiles, upp, config.stream_groups or max(1, device.cores // parts), room,
-                                  config.mma_tile_warps, granule)
+                                  config.mma_tile_warps, granule, MMA_CHECKED_TILE_WARPS.get(qtype, 0))
         else:
             continue
         static = MMA_WARP_BYTES * warps

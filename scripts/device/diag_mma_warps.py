@@ -1,0 +1,50 @@
+"""Diagnose a tensor-core plan on the GPU: Q4_K / Q6_K products at a few (N, K, B) under several
+KernelConfigs, against float64: the plan, the error over the terms, and which tiles and rows of x
+are wrong. "uncapped" lifts plan.MMA_CHECKED_TILE_WARPS, giving Q4_K at 256 x 6,656 the 21-warp
+plan that summed wrong on an H100 (98cd826). Usage: diag_mma_warps.py [TREE_LABEL]"""
+import sys
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from muse_mlx.config import KernelConfig
+from muse_mlx.kernels import Kernels, gpu_device, plan
+from muse_mlx.quant import dequantize
+from muse_mlx.tools.fixtures import random_blocks
+
+label = sys.argv[1] if len(sys.argv) > 1 else "head"
+dev = gpu_device()
+cases = [(QT.Q4_K, 256, 6656), (QT.Q4_K, 1024, 6656), (QT.Q4_K, 1536, 4096), (QT.Q6_K, 256, 6656)]
+configs = {"default": {}, "uncapped": {}, "whole13": {"mma_tile_warps": 32}, "alone": {"mma_tile_warps": 1},
+           "warps16": {"mma_warps": 16}}
+checked = dict(getattr(plan, "MMA_CHECKED_TILE_WARPS", {}))
+for qtype, n, k in cases:
+    rng = np.random.default_rng([n, k, int(qtype)])
+    wn = random_blocks(n, k, qtype, rng)
+    w = mx.array(wn)
+    dense = np.array(dequantize(w, qtype)).astype(np.float64)
+    for b in (2, 4):
+        x = rng.standard_normal((b, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ dense.T
+        scale = np.abs(x.astype(np.float64)) @ np.abs(dense).T
+        for tag, extra in configs.items():
+            if hasattr(plan, "MMA_CHECKED_TILE_WARPS"):
+                plan.MMA_CHECKED_TILE_WARPS.clear()
+                plan.MMA_CHECKED_TILE_WARPS.update({} if tag == "uncapped" else checked)
+                plan.mma_plan.cache_clear()
+                plan.mma_launch.cache_clear()
+            cfg = KernelConfig(stream_mma=2, mma_pair_min_rows=0, mma_min_rows=0, **extra)
+            kern = Kernels(dev, cfg)
+            try:
+                p = plan.mma_plan(qtype, k, n, b, kern.device, kern.config)
+                out = np.array(kern.matvec(w, qtype, mx.array(x), init_value=float("nan"))).astype(np.float64)
+            except Exception as e:  # noqa: BLE001 (a diagnostic: report and go on)
+                print(label, qtype.name, n, k, b, tag, "ERROR", str(e)[:160], flush=True)
+                continue
+            err = float(np.linalg.norm(out - ref) / np.linalg.norm(scale))
+            bad = np.abs(out - ref) > 1e-4 * scale + 1e-6
+            tiles = sorted(set((np.nonzero(bad.any(0))[0] // 16).tolist()))
+            rows16 = sorted(set((np.nonzero(bad.any(0))[0] % 16).tolist()))
+            print(label, qtype.name, n, k, b, tag, p, f"err {err:.3g} bad {int(bad.sum())}/{bad.size}",
+                  "xrows", bad.any(1).nonzero()[0].tolist(), "tiles", tiles[:12], "rows%16", rows16, flush=True)
