@@ -59,13 +59,6 @@ template <typename WP, typename O> inline uint4 load16_at(WP words, O off) {
   return r;
 }
 
-// 4 bytes at byte offset `off` (a multiple of 2) from `words` (as load16_at), as one word.
-template <typename WP, typename O> inline uint32_t load4_at(WP words, O off) {
-  WP wp = words + (off >> 2);
-  const uint32_t s = uint32_t(off & 3u) * 8u;
-  return s ? FUNNEL_R(wp[0], wp[1], s) : wp[0];
-}
-
 // 8 bytes at byte offset `off` (a multiple of 2) from `words` (as load16_at), as two words.
 template <typename WP, typename O> inline uint2 load8_at(WP words, O off) {
   WP wp = words + (off >> 2);

@@ -11,7 +11,6 @@
 #define MAKE_FLOAT2(a, b) make_float2(a, b)
 #define MAKE_FLOAT4(a, b, c, d) make_float4(a, b, c, d)
 #define UNROLL_4 _Pragma("unroll 4")
-#define UNROLL_2 _Pragma("unroll 2")
 #define UNROLL_1 _Pragma("unroll 1")
 #define UNROLL_FULL _Pragma("unroll")
 __device__ __forceinline__ float warp_sum(float v) {

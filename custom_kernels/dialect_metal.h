@@ -11,7 +11,6 @@
 #define MAKE_FLOAT2(a, b) float2(a, b)
 #define MAKE_FLOAT4(a, b, c, d) float4(a, b, c, d)
 #define UNROLL_4 _Pragma("clang loop unroll_count(4)")
-#define UNROLL_2 _Pragma("clang loop unroll_count(2)")
 #define UNROLL_1 _Pragma("clang loop unroll(disable)")
 #define UNROLL_FULL _Pragma("clang loop unroll(full)")
 inline float warp_sum(float v) { return simd_sum(v); }

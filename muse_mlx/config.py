@@ -61,12 +61,6 @@ class KernelConfig:
         memory; 0 = always the fewest that fit. 6: FFN down's 19,968 in six parts (Q4_K 62 -> 43
         us, Q6_K 96 -> 81 at B = 4), o_proj's 4,096 in eight (20.5 -> 16.9), 6,656 whole; the
         packed step at B = 4 270.6 -> 282.6 tok/s (c202a3c).
-    mma_q6k_blocks: 1 = Q6_K's tensor-core form takes a whole block a step (matvec_mma_q6_k_blocks:
-        the block's scales and d loaded once, not once a unit; its bytes as words from one
-        alignment found once a block; the scales applied as small integers, d once a block; each
-        lane on the unit form's positions); 0 = a 64-value unit a step (matvec_mma_q6_k). 1: the
-        LM head's part 0.183 -> 0.155 ms, FFN down's Q6_K half 0.129 -> 0.117 at B = 4; the packed
-        step at B = 4 329 -> 345 tok/s (H100, 04e15e1, ledger 2026-12-05).
     prefill_f16: the products of a chunk longer than the kernels' rows (prefill): 1 = each matrix
         dequantized to float16 and multiplied on the tensor cores, x rounded to f16 after a
         per-row power-of-two scaling (ops/gpu.f16_product); 0 = dequantized to float32 and
@@ -119,7 +113,6 @@ class KernelConfig:
     mma_pair_min_rows: int = 1024
     mma_min_rows: int = 1024
     mma_parts: int = 6
-    mma_q6k_blocks: int = 1
     prefill_f16: int = 1
     prefill_flash: int = 1
     prefill_layers_in_flight: int = 2
@@ -132,8 +125,7 @@ class KernelConfig:
                   "combine_warps": (0, 32),
                   "stream_groups": (0, 1 << 20), "stream_batch": (0, 4),
                   "stream_batch_rf": (0, 4), "stream_mma": (0, 4), "mma_warps": (0, 32), "mma_tile_warps": (0, 32),
-                  "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24),
-                  "mma_parts": (0, 8), "mma_q6k_blocks": (0, 1),
+                  "mma_pair_min_rows": (0, 1 << 24), "mma_min_rows": (0, 1 << 24), "mma_parts": (0, 8),
                   "prefill_f16": (0, 1), "prefill_flash": (0, 2), "prefill_layers_in_flight": (1, 2),
                   "pinned_upload": (0, 1), "weights_staged": (0, 1),
                   "batch_invariant": (0, 1)}

@@ -239,19 +239,19 @@ def test_tensor_core_plans_fit_the_hardware():
     """The tensor-core form (2..4 rows of x on CUDA): at the pinned shapes x's fragments for all
     of K fit one part up to K = 6,656, the FFN down product's 19,968 takes two parts; threadgroup
     memory, threads and registers fit a multiprocessor (the fewest parts that fit: mma_parts = 0).
-    The whole threadgroup on one tile splits K with the fewest idle warps within the registers:
-    Q6_K (64 a thread: 32 warps) 64 / 26 / 26 units over 32 / 26 / 26 warps; Q4_K's whole blocks
-    (96 a thread: 21 warps) 16 / 26 / 39 blocks over 16 / 13 / 13. With the default mma_parts (6),
+    The whole threadgroup on one tile splits K's whole blocks with the fewest idle warps within
+    the registers (Q4_K 96 a thread: 21 warps; Q6_K 80: 25): 16 / 26 / 39 blocks over 16 / 13 / 13
+    warps for both. With the default mma_parts (6),
     19,968 takes six parts of 52 units, 4,096 eight of 8 (no count from 6 up splits 6,656's 26
     blocks into whole blocks, so it keeps one). Metal's plans keep x_shared, and so does
     stream_mma=0 on CUDA."""
     from muse_mlx.kernels import Kernels
     h200 = Device("cuda", 132, 232448)
-    whole = KernelConfig(mma_tile_warps=32, mma_parts=0, mma_q6k_blocks=0)   # the whole threadgroup on one tile
+    whole = KernelConfig(mma_tile_warps=32, mma_parts=0)     # the whole threadgroup on one tile
     for k, parts in ((19968, 6), (4096, 8), (6656, 1)):
         assert plan.mma_plan(QT.Q4_K, k, 6656, 4, h200, KernelConfig()).parts == parts
     for qtype, expect in ((QT.Q4_K, ((4096, 16, 1), (6656, 13, 1), (19968, 13, 2))),
-                          (QT.Q6_K, ((4096, 32, 1), (6656, 26, 1), (19968, 26, 2)))):
+                          (QT.Q6_K, ((4096, 16, 1), (6656, 13, 1), (19968, 13, 2)))):
         for k, warps, parts in expect:
             for b in (2, 3, 4):
                 p = plan.mma_plan(qtype, k, 6656, b, h200, whole)
@@ -281,24 +281,19 @@ def test_tensor_core_plans_fit_the_hardware():
     assert not pair._takes_mma(QT.Q4_K, 6656, 8704, 2) and not pair._takes_mma(QT.Q6_K, 19968, 6656, 2)
     assert pair._takes_mma(QT.Q4_K, 6656, 39936, 2) and pair._takes_mma(QT.Q4_K, 6656, 16384, 2)
     assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4)
-    # asked-for warps, capped by the registers a multiprocessor holds
-    unit = {"mma_q6k_blocks": 0}
-    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32, **unit)).warps == 13
-    assert plan.mma_plan(QT.Q6_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32, **unit)).warps == 26
-    assert plan.mma_plan(QT.Q4_K, 6656, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 13   # 21 fit
-    for qtype, regs in plan.MMA_REGISTERS.items():
-        for tile_warps in (0, 1, 32):
-            p = plan.mma_plan(qtype, 19968, 6656, 4, h200,
-                              KernelConfig(mma_warps=32, mma_tile_warps=tile_warps, mma_q6k_blocks=0))
-            assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
-    # Q6_K's block form (mma_q6k_blocks): its own registers, K split in whole blocks
-    for k, n in ((6656, 202048), (19968, 6656)):
-        for tile_warps in (0, 1, 32):
-            config = KernelConfig(mma_q6k_blocks=1, mma_warps=32, mma_tile_warps=tile_warps)
-            p = plan.mma_plan(QT.Q6_K, k, n, 4, h200, config)
-            assert 32 * p.warps * plan.MMA_Q6K_BLOCK_REGISTERS <= plan.GROUP_REGISTERS
-            assert (k // 64 // p.parts) % 4 == 0 and p.warps % p.tile_warps == 0
-            assert plan.mma_launch(QT.Q6_K, k, n, h200, config, 4)[0] == "matvec_mma_q6_k_blocks"
+    # asked-for warps, capped by the registers a multiprocessor holds: 25 blocks (K = 6,400) take 25
+    # warps of Q6_K (25 fit), five of Q4_K (21 fit: the fewest idle below that)
+    assert plan.mma_plan(QT.Q6_K, 6400, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 25
+    assert plan.mma_plan(QT.Q6_K, 6400, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 5
+    assert plan.mma_plan(QT.Q4_K, 6400, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 5
+    for qtype, regs in plan.MMA_REGISTERS.items():   # every plan within the registers, K in whole blocks
+        for k, n in ((6656, 202048), (19968, 6656), (4096, 6656)):
+            for tile_warps in (0, 1, 32):
+                p = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps))
+                assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
+                assert (k // 64 // p.parts) % 4 == 0 and p.warps % p.tile_warps == 0
+                assert plan.mma_launch(qtype, k, n, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps),
+                                       4)[0] == f"matvec_mma_{qtype.name.lower()}"
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
 
@@ -391,17 +386,17 @@ def test_tensor_core_tile_split_fits_and_balances(qtype, n, k):
     assert p.memory + plan.MMA_WARP_BYTES * p.warps <= h200.group_memory
     tiles, units, groups = -(-n // 16), k // 64 // p.parts, h200.cores // p.parts
 
-    granule = 4 if qtype == QT.Q4_K else 1   # Q4_K's warps take whole blocks
+    granule = 4   # warps take whole blocks
 
     def busiest(nw, kw):   # units of K the busiest warp works through, a round's barrier as 2
         return -(-tiles // (groups * (nw // kw))) * (granule * -(-units // (granule * kw)) + (2 if kw > 1 else 0))
     assert p.groups <= groups and p.groups * (p.warps // p.tile_warps) >= tiles or p.groups == groups
     best = busiest(p.warps, p.tile_warps)
-    # Q6_K's split forms carry the register margin (their registers were not read by ncu) and their
-    # fragments and buffers share the multiprocessor's memory
-    room = min(limit, plan.GROUP_REGISTERS // (32 * (plan.MMA_REGISTERS[qtype] + plan.MMA_SPLIT_MARGIN[qtype])),
-               (h200.group_memory - p.memory) // plan.MMA_WARP_BYTES)
-    assert all(best <= busiest(nw, kw) for kw in range(1, min(room, units // granule) + 1)
+    # the fragments and the warps' buffers share the multiprocessor's memory; Q4_K keeps to the
+    # warps a tile its GPU checks passed
+    room = min(limit, (h200.group_memory - p.memory) // plan.MMA_WARP_BYTES)
+    most_kw = plan.MMA_CHECKED_TILE_WARPS.get(qtype, room)
+    assert all(best <= busiest(nw, kw) for kw in range(1, min(room, units // granule, most_kw) + 1)
                for nw in range(kw, room + 1, kw))
     whole = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_tile_warps=32))
     assert best <= busiest(whole.warps, whole.warps)

@@ -499,18 +499,17 @@ def test_prefill_attention_is_planned_within_memory():
     (4, 100, 1280, {"mma_warps": 6, "mma_tile_warps": 3}),  # 5 blocks over 3 warps: one idle
     (4, 19, 6656, {"mma_tile_warps": 32}),                  # the whole threadgroup on one tile
 ], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{a}={c}" for a, c in v.items()) or "-")
-@pytest.mark.parametrize("qtype, kernel", [(QT.Q4_K, "matvec_mma_q4_k"), (QT.Q6_K, "matvec_mma_q6_k_blocks")],
-                         ids=["Q4_K", "Q6_K-blocks"])
+@pytest.mark.parametrize("qtype, kernel", [(QT.Q4_K, "matvec_mma_q4_k"), (QT.Q6_K, "matvec_mma_q6_k")],
+                         ids=["Q4_K", "Q6_K"])
 def test_tensor_core_matvec_block_plans(qtype, kernel, b, n, k, config):
     """The block forms take whole blocks, so their warps split K by blocks: Q4_K's (each lane on its
-    own two groups, the mins as one more mma) and Q6_K's under mma_q6k_blocks (a block's scales and
-    d loaded once; 1,280 = 5 blocks puts every other row, and every other block, off 4-byte
+    own two groups, the mins as one more mma) and Q6_K's (a block's scales and d loaded once; 1,280 = 5 blocks puts every other row, and every other block, off 4-byte
     boundaries), against float64 on plans of every kind (parts of K, tiles split between warps
     with a block count that does not divide, one tile a threadgroup)."""
     from muse_mlx.kernels import Device, Kernels
     from metal_emulator import EmulatedKernel
     device = Device("metal", 4, 1 << 20) if k == 6656 or "mma_warps" in config else None
-    cfg = KernelConfig(stream_groups=2, mma_q6k_blocks=int(qtype == QT.Q6_K), **config)
+    cfg = KernelConfig(stream_groups=2, **config)
     kernels = (Kernels(device, cfg, build=lambda name, which, shared: EmulatedKernel(name)) if device
                else emulated_kernels(cfg))
     p = plan.mma_plan(qtype, k, n, b, kernels.device, kernels.config)

@@ -149,14 +149,12 @@ MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
 # Warps a threadgroup at most: 26 against 13 took gate|up from 0.159 to 0.116 ms at B = 4, the
 # LM head's rows and FFN down (Q6_K) by 16-19 % (H200, 4509bef, ledger): more loads in flight.
 MMA_MAX_WARPS = 32
-# Registers a thread by type, MLX's NVRTC builds on the H200: Q6_K 48-64 (ncu, 4509bef); Q4_K's block
-# loop 86 at gate|up (ncu, 06939ea), nvcc 13.0 72-86 for all its forms, split ones included, so
-# Q4_K keeps no split margin and its figure 10 over what was read. A threadgroup's warps are
-# capped so that they fit GROUP_REGISTERS (MLX launches without launch bounds).
-MMA_REGISTERS = {QT.Q4_K: 96, QT.Q6_K: 64}
-# Q6_K's forms with warps split between tiles (KW < NW) were not read by ncu: local nvcc gives
-# them up to 10 more registers (KW = 1: 64 against 54), so their plans keep this margin.
-MMA_SPLIT_MARGIN = {QT.Q4_K: 0, QT.Q6_K: 12}
+# Registers a thread by type, planned: Q4_K's block loop took 86 in MLX's NVRTC build at gate|up
+# (ncu, 06939ea) and 72-86 under nvcc 13.0 for all its plans (86 with MASK_OR, 2026-12-05); Q6_K's
+# 56-72 under nvcc 13.0, split plans included (2026-12-05), and NVRTC's builds took up to 8 more
+# than nvcc's elsewhere. Split plans (KW < NW) count the same. A threadgroup's warps are capped so
+# that they fit GROUP_REGISTERS (MLX launches without launch bounds).
+MMA_REGISTERS = {QT.Q4_K: 96, QT.Q6_K: 80}
 SM_THREADS = 2048
 # Parts of K (grid y) at most; each adds B x N partial sums for one more node to add. With
 # KernelConfig.mma_parts = 6 this bound keeps K = 6,656 (26 blocks: 1, 2, 13 or 26 parts) whole:
@@ -177,22 +175,8 @@ def _mma_warps(units: int, limit: int) -> int:
     return min(range(1, min(units, limit) + 1), key=lambda nw: (-(-units // nw) * nw - units, -nw))
 
 
-# The units of K a warp takes at a time: Q4_K's loop takes whole blocks (mma_block_tiles, mma_q4_k_block).
-MMA_GRANULE = {QT.Q4_K: 4, QT.Q6_K: 1}
-# Q6_K's block form (KernelConfig.mma_q6k_blocks, mma_q6_k_block): whole blocks; nvcc 13.0 gives
-# it 56-72 registers, split forms included (2026-12-05, local); NVRTC's builds took up to 8 more than
-# nvcc's elsewhere, so 80 with no split margin until ncu reads it.
-MMA_Q6K_BLOCK_REGISTERS = 80
-
-
-def _mma_form(qtype: QT, config: KernelConfig) -> tuple[str, int, int, int]:
-    """(kernel name, granule, registers of the whole form, of the split form) of the tensor-core
-    form for qtype under config."""
-    variant = STREAM_VARIANTS[qtype][0]
-    if qtype == QT.Q6_K and config.mma_q6k_blocks:
-        return f"matvec_mma_{variant}_blocks", 4, MMA_Q6K_BLOCK_REGISTERS, MMA_Q6K_BLOCK_REGISTERS
-    regs = MMA_REGISTERS[qtype]
-    return f"matvec_mma_{variant}", MMA_GRANULE[qtype], regs, regs + MMA_SPLIT_MARGIN[qtype]
+# The units of K a warp takes at a time: a whole block (mma_block_tiles).
+MMA_GRANULE = 4
 
 # A round's barrier and partial sums (KW > 1), in units of one warp's work on one 64-value unit of
 # a tile (a planning value, not measured).
@@ -234,9 +218,8 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     threads and registers allow."""
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
-    units = K // 64
-    _, granule, whole_regs, split_regs = _mma_form(qtype, config)
-    limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * whole_regs))
+    units, granule, regs = K // 64, MMA_GRANULE, MMA_REGISTERS[qtype]
+    limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * regs))
     tiles = -(-N // 16)
     first = max(1, config.mma_parts)
     for parts in [*range(first, MMA_MAX_PARTS + 1), *range(1, first)]:   # from config.mma_parts up, else the fewest
@@ -244,8 +227,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
             continue
         upp = units // parts
         memory = MMA_UNIT_BYTES[qtype] * upp + 32
-        room = min(limit, (device.group_memory - memory) // MMA_WARP_BYTES,   # buffers, registers
-                   GROUP_REGISTERS // (32 * split_regs))
+        room = min(limit, (device.group_memory - memory) // MMA_WARP_BYTES)   # the warps' buffers
         if config.mma_tile_warps >= min(limit, upp // granule):   # the whole threadgroup on one tile
             warps = kw = _mma_warps(upp // granule, limit)
         elif room >= max(1, config.mma_tile_warps):
@@ -258,7 +240,6 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
             break
     else:
         return None
-    regs = whole_regs if kw == warps else split_regs
     if config.stream_groups:
         groups = config.stream_groups
     else:
@@ -278,7 +259,7 @@ def mma_launch(qtype: QT, K: int, N: int, device: Device, config: KernelConfig, 
     template = [("K", K), ("N", N), ("B", B), ("XS", row_stride or K), ("NW", p.warps), ("KW", p.tile_warps),
                 ("KP", p.parts), ("RB", K // 256 * ROW_BYTES_PER_256[qtype])]
     shape = (B, N) if p.parts == 1 else (p.parts, B, N)
-    return _mma_form(qtype, config)[0], p.memory, dict(
+    return f"matvec_mma_{STREAM_VARIANTS[qtype][0]}", p.memory, dict(
         template=template, grid=(p.groups * 32 * p.warps, p.parts, 1), threadgroup=(32 * p.warps, 1, 1),
         output_shapes=[shape], output_dtypes=[mx.float32], stream=mx.gpu)
 

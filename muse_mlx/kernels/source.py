@@ -41,11 +41,8 @@ KERNELS = {
     # matvec_stream.inc's tensor-core form: 1..4 rows of x (a packed step over slots) by
     # mma.m16n8k16, x's fragments in threadgroup memory (the FFN down input is made before it:
     # launch.Kernels.matvec_silu)
-    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", *loop, "mma_close"], ["w", "x"], ["y"])
-       for v, loop in (("q4_k", ["mma_block_tiles", "mma_q4_k_block"]), ("q6_k", ["mma_tiles", "mma_q6_k_unit"]))},
-    # Q6_K a whole block a step, its scales and d loaded once a block (KernelConfig.mma_q6k_blocks)
-    "matvec_mma_q6_k_blocks": ("matvec_stream", ["x_plain", "mma_q6_k", "mma_prologue", "mma_block_tiles",
-                                                 "mma_q6_k_block", "mma_close"], ["w", "x"], ["y"]),
+    **{f"matvec_mma_{v}": ("matvec_stream", ["x_plain", f"mma_{v}", "mma_prologue", "mma_block_tiles", f"mma_{v}_block",
+                                             "mma_close"], ["w", "x"], ["y"]) for v in ("q4_k", "q6_k")},
     # dequant.inc: raw blocks -> float16 values (the prefill's tensor-core products)
     **{f"dequant_{v}": ("dequant", ["prologue", v], ["w"], ["y"]) for v in BATCH_FORMATS},
     # attention.inc: split decode attention, then the combine (optionally times the output gate)

@@ -441,13 +441,13 @@ def test_tensor_core_tile_splits(qtype, shape, tile_warps):
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("batch", [2, 3, 4])
 def test_tensor_core_q6k_blocks(shape, batch):
-    """Q6_K's block form (mma_q6k_blocks=1) on its own plans: the LM head's K over 20,011 rows, FFN down's
-    Q6_K half in six parts, a stacked Q|K|gate|V shape, 5 blocks a row (every other row and block
-    off 4-byte boundaries), a few rows."""
+    """Q6_K's tensor-core form (a block a step) on its own plans: the LM head's K over 20,011 rows,
+    FFN down's Q6_K half in six parts, a stacked Q|K|gate|V shape, 5 blocks a row (every other row
+    and block off 4-byte boundaries), a few rows."""
     n, k = shape
-    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_pair_min_rows=0, mma_min_rows=0, mma_q6k_blocks=1))
+    kernels = Kernels(gpu_device(), KernelConfig(stream_mma=2, mma_pair_min_rows=0, mma_min_rows=0))
     assert kernels._takes_mma(QT.Q6_K, k, n, batch)
-    assert plan.mma_launch(QT.Q6_K, k, n, kernels.device, kernels.config, batch)[0] == "matvec_mma_q6_k_blocks"
+    assert plan.mma_launch(QT.Q6_K, k, n, kernels.device, kernels.config, batch)[0] == "matvec_mma_q6_k"
     check_matvec("matvec_mma_q6k_blocks", QT.Q6_K, n, k, batch, np.random.default_rng([SEED, n, k, batch, 35]),
                  kernels=kernels, stream_mma=2, rows_per_launch=plan.stream_batch_rows(k, KERNELS.device, KERNELS.config))
 
