@@ -7,6 +7,7 @@
 #          llama.cpp build runs beside this call: its packed-step figures compare the two arms only.
 #          GPU_TESTS_LIMIT (seconds, default 300): the checks' limit; on a fresh machine they print
 #          nothing within 120 s (their first kernel builds; e728462's and 3bcbcd1's leases).
+#          DIAG=1: after the checks, scripts/device/diag_mma_warps.py here and in .device/base.
 #          PROBE ("tag:KERNEL_CONFIG;..."): before the packed step, the products alone
 #          (probe_mma.py at B = 2 and 4) under each configuration; PROBE_SHAPES (probe_mma.py's
 #          names, ";"-separated): only those products. With a base tree in .device/base (carry it;
@@ -64,6 +65,15 @@ lean)
     -k "${GPU_TESTS_K:-batched_decode_equals_each_sequence_alone}" -q -p no:cacheprovider -rf --tb=line \
     > "$OUT/gpu-tests.log" 2>&1
   tail -4 "$OUT/gpu-tests.log"; echo "checks at $(( $(date +%s) - T0 )) s"
+  if [ -n "${DIAG:-}" ] && t=$(limit 120); then   # the tensor-core plans that summed wrong, here and in the base tree
+    timeout "$t" python3 scripts/device/diag_mma_warps.py head > "$OUT/diag-head.log" 2>&1
+    echo "[diag head] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-240 "$OUT/diag-head.log"
+    if [ -d .device/base ] && t=$(limit 120); then
+      (cd .device/base && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$t" python3 ../../scripts/device/diag_mma_warps.py base \
+        > "$OUT/diag-base.log" 2>&1)
+      echo "[diag base] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-240 "$OUT/diag-base.log"
+    fi
+  fi
   if [ -n "${PROBE:-}" ] && t=$(limit 150); then   # the products alone, by kernel configuration
     timeout "$t" python3 scripts/device/probe_mma.py 2,4 "$PROBE" "$OUT/probe-mma.json" 20 ${PROBE_SHAPES:+"$PROBE_SHAPES"} \
       > "$OUT/probe-mma.log" 2>&1
