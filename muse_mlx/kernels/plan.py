@@ -192,13 +192,15 @@ MMA_CHECKED_TILE_WARPS = {QT.Q4_K: 5}
 
 
 def mma_split(tiles: int, units: int, groups: int, limit: int, tile_warps: int = 0,
-              granule: int = 1, most_kw: int = 0) -> tuple[int, int]:
+              most_kw: int = 0) -> tuple[int, int]:
     """(NW, KW) of the tensor-core form: at most `limit` warps a threadgroup, KW (tile_warps
-    when given, else at most most_kw where that is set) of them on each tile. Chosen to make the busiest warp's work the least, counted
-    in units of K: rounds x (units a warp of a tile + MMA_ROUND_UNITS where KW > 1), where a
-    round gives each of `groups` threadgroups NW / KW tiles, and a warp's units come `granule`
-    at a time (MMA_GRANULE); on a tie, the most threadgroups busy, then the
-    most warps (more loads in flight)."""
+    when given, else at most most_kw where that is set) of them on each tile. Chosen to make the
+    busiest warp's work the least, counted in units of K: rounds x (units a warp of a tile +
+    MMA_ROUND_UNITS where KW > 1), where a round gives each of `groups` threadgroups NW / KW
+    tiles, and a warp's units come MMA_GRANULE at a time; on a tie, the most threadgroups busy,
+    then the most warps (more loads in flight)."""
+    granule = MMA_GRANULE
+
     def cost(nw: int, kw: int) -> tuple:
         tpg = nw // kw
         rounds = -(-tiles // (groups * tpg))
@@ -232,7 +234,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
             warps = kw = _mma_warps(upp // granule, limit)
         elif room >= max(1, config.mma_tile_warps):
             warps, kw = mma_split(tiles, upp, config.stream_groups or max(1, device.cores // parts), room,
-                                  config.mma_tile_warps, granule, MMA_CHECKED_TILE_WARPS.get(qtype, 0))
+                                  config.mma_tile_warps, MMA_CHECKED_TILE_WARPS.get(qtype, 0))
         else:
             continue
         static = MMA_WARP_BYTES * warps
