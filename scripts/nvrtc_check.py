@@ -4,7 +4,8 @@ It wraps each body the way MLX 0.32's cuda_kernel does (mlx/backend/cuda/custom_
 the MLX device utils include, our header, then `__global__ void` with `const T*` inputs,
 `T*` outputs and the template constants as constexpr) and compiles it for sm_90a with MLX's
 NVRTC flags, printing registers-free diagnostics. Needs:
-  MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*)
+  MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*, unzip the wheel;
+                   LD_LIBRARY_PATH must hold its folder too, for libnvrtc-builtins.so.13.0)
   MUSE_NVRTC_CUBIN_DIR  also write each CUBIN (for nvdisasm) and its PTX there
   MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel
   MUSE_NVRTC_ONLY  a regular expression: only the cases whose kernel name it finds

@@ -151,8 +151,10 @@ MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
 MMA_MAX_WARPS = 32
 # Registers a thread by type, planned: Q4_K's block loop took 86 in MLX's NVRTC build at gate|up
 # (ncu, 06939ea) and 72-86 under nvcc 13.0 for all its plans (86 with MASK_OR, 2026-12-05); Q6_K's
-# 56-72 under nvcc 13.0, split plans included (2026-12-05), and NVRTC's builds took up to 8 more
-# than nvcc's elsewhere. Split plans (KW < NW) count the same. A threadgroup's warps are capped so
+# 56-72 under nvcc 13.0, split plans included (2026-12-05). NVRTC 13.0.88, MLX's compiler, gave the
+# same: Q4_K 77-86, Q6_K 60-72 over the pinned model's plans at two to four rows, the 21-warp Q4_K
+# plan that summed wrong 83 (2026-12-06, e81aa89; elsewhere its builds took up to 8 more than
+# nvcc's). Split plans (KW < NW) count the same. A threadgroup's warps are capped so
 # that they fit GROUP_REGISTERS (MLX launches without launch bounds).
 MMA_REGISTERS = {QT.Q4_K: 96, QT.Q6_K: 80}
 SM_THREADS = 2048
