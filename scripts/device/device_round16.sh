@@ -7,7 +7,9 @@
 #          llama.cpp build runs beside this call: its packed-step figures compare the two arms only.
 #          GPU_TESTS_LIMIT (seconds, default 300): the checks' limit; on a fresh machine they print
 #          nothing within 120 s (their first kernel builds; e728462's and 3bcbcd1's leases).
-#          DIAG=1: after the checks, scripts/device/diag_mma_warps.py here and in .device/base.
+#          DIAG=1: after the checks, scripts/device/diag_mma_warps.py here (then its 256-row Q4_K
+#          case with the 21-warp plan first in its process, and with MLX's CUDA graphs off) and in
+#          .device/base.
 #          PROBE ("tag:KERNEL_CONFIG;..."): before the packed step, the products alone
 #          (probe_mma.py at B = 2 and 4) under each configuration; PROBE_SHAPES (probe_mma.py's
 #          names, ";"-separated): only those products. With a base tree in .device/base (carry it;
@@ -68,6 +70,15 @@ lean)
   if [ -n "${DIAG:-}" ] && t=$(limit 120); then   # the tensor-core plans that summed wrong, here and in the base tree
     timeout "$t" python3 scripts/device/diag_mma_warps.py head > "$OUT/diag-head.log" 2>&1
     echo "[diag head] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-240 "$OUT/diag-head.log"
+    if t=$(limit 40); then   # the 21-warp plan first in its process (no earlier graph of its shape)
+      timeout "$t" python3 scripts/device/diag_mma_warps.py fresh 256 uncapped,uncapped-again,default,uncapped,after-q6k \
+        > "$OUT/diag-fresh.log" 2>&1
+      echo "[diag fresh] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-240 "$OUT/diag-fresh.log"
+    fi
+    if t=$(limit 60); then   # the 21-warp plan's case again, MLX's CUDA graphs off
+      MLX_USE_CUDA_GRAPHS=0 timeout "$t" python3 scripts/device/diag_mma_warps.py nographs 256 > "$OUT/diag-nographs.log" 2>&1
+      echo "[diag nographs] rc $? at $(( $(date +%s) - T0 )) s"; cut -c1-240 "$OUT/diag-nographs.log"
+    fi
     if [ -d .device/base ] && t=$(limit 120); then
       (cd .device/base && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$t" python3 ../../scripts/device/diag_mma_warps.py base \
         > "$OUT/diag-base.log" 2>&1)
