@@ -7,7 +7,9 @@ NVRTC flags, printing registers-free diagnostics. Needs:
   MUSE_NVRTC_LIB   path to libnvrtc.so.13 (pip download nvidia-cuda-nvrtc==13.0.*, unzip the wheel;
                    LD_LIBRARY_PATH must hold its folder too, for libnvrtc-builtins.so.13.0)
   MUSE_NVRTC_CUBIN_DIR  also write each CUBIN (for nvdisasm) and its PTX there
-  MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel
+  MUSE_NVRTC_VERBOSE=1  also print ptxas's registers / spills per kernel, and fail a tensor-core or
+                   x_shared build that takes more registers than the planner counts it at
+                   (register_check; nvcc's counts are always checked so)
   MUSE_NVRTC_ONLY  a regular expression: only the cases whose kernel name it finds
   MUSE_NVRTC_MLX_INCLUDE  a folder holding mlx/backend/cuda/device/{utils.cuh,complex.cuh,config.h}
   CUDA include folders (default /usr/local/cuda/include and /usr/local/cuda/include/cccl)
@@ -114,6 +116,39 @@ def nvcc(path: str, text: str, includes: list[str]) -> tuple[int, str]:
     return r.returncode, report if r.returncode == 0 else r.stderr
 
 
+def register_check(kname: str, template, report: str) -> tuple[list[str], list[str]]:
+    """(problems, notes) from ptxas's register count in `report`. A problem: a build past the
+    planning value the planner counts it at (plan.MMA_REGISTERS for the tensor-core form,
+    plan.STREAM_BATCH_REGISTERS for the x_shared kernels), so that a planned threadgroup might not
+    fit the register file: it would not launch, and inside an MLX CUDA graph it fails silently. A
+    note: this case's own threadgroup does not fit (plan.fits_registers; CASES holds compile
+    cases the planner does not make)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from muse_mlx.kernels import plan
+
+    used = re.findall(r"Used (\d+) registers", report)
+    t = dict(template)
+    threads = 32 * t["NW"] if "NW" in t else t.get("TPG")
+    if not used or not threads:
+        return [], []
+    regs, problems = int(used[-1]), []
+    notes = [] if plan.fits_registers(regs, threads) else [f"({regs} registers on {threads} threads: not launchable)"]
+    if kname.startswith("matvec_mma_"):
+        qtype = QT[kname.removeprefix("matvec_mma_").upper()]
+        planned = plan.MMA_REGISTERS[qtype]
+    elif kname.startswith("matvec_stream_shared_"):
+        qtype = QT[kname.split("_")[-2].upper() + "_K"]
+        if t["R"] != plan.STREAM_BATCH_R[qtype].get(t["B"]):   # the table counts the planned R only
+            return [], notes
+        planned = plan.STREAM_BATCH_REGISTERS.get((qtype, t["B"], t["RF"]), 255)
+    else:
+        return [], notes
+    if regs > planned:
+        problems.append(f"{regs} registers, past the planning value {planned}")
+    return problems, notes
+
+
 def main() -> int:
     lib = None if os.environ.get("MUSE_NVCC") else ctypes.CDLL(os.environ["MUSE_NVRTC_LIB"])
     includes = [os.environ["MUSE_NVRTC_MLX_INCLUDE"], "/usr/local/cuda/include/cccl", "/usr/local/cuda/include"]
@@ -138,8 +173,10 @@ def main() -> int:
         text = wrap(fn, header, source, inputs, in_types, outputs, out_types, template)
         if lib is None:
             rc, report = nvcc(os.environ["MUSE_NVCC"], text, includes)
-            print(f"{kname:20s} {dict(template)}: {'ok' if rc == 0 else 'FAILED'} {report[:2000]}")
-            failures += rc != 0
+            problems, notes = register_check(kname, template, report) if rc == 0 else ([], [])
+            print(f"{kname:20s} {dict(template)}: {'ok' if rc == 0 and not problems else 'FAILED'} {report[:2000]}",
+                  *problems, *notes)
+            failures += rc != 0 or bool(problems)
             continue
         prog = ctypes.c_void_p()
         lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), f"{fn}.cu".encode(), 0, None, None)
@@ -165,12 +202,13 @@ def main() -> int:
             with open(os.path.join(os.environ["MUSE_NVRTC_CUBIN_DIR"], f"{kname}_{tag}.ptx"), "wb") as fh:
                 fh.write(ptx.value)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        status = "ok" if rc == 0 else "FAILED"
-        print(f"{kname:20s} {dict(template)}: {status}")
         text_log = log.value.decode().strip()
+        problems, notes = register_check(kname, template, text_log) if rc == 0 else ([], [])
+        status = "ok" if rc == 0 and not problems else "FAILED"
+        print(f"{kname:20s} {dict(template)}: {status}", *problems, *notes)
         if text_log:
             print("   " + "\n   ".join(text_log.splitlines()[:20]))
-        failures += rc != 0
+        failures += rc != 0 or bool(problems)
     return 1 if failures else 0
 
 

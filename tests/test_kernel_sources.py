@@ -260,7 +260,7 @@ def test_tensor_core_plans_fit_the_hardware():
                 assert p.memory == plan.MMA_UNIT_BYTES[qtype] * k // 64 // parts + 32
                 per_sm = -(-p.groups * p.parts // h200.cores)
                 assert per_sm * (p.memory + plan.MMA_WARP_BYTES * p.warps) <= h200.group_memory
-                assert per_sm * 32 * p.warps * plan.MMA_REGISTERS[qtype] <= plan.GROUP_REGISTERS
+                assert per_sm <= plan.groups_by_registers(plan.MMA_REGISTERS[qtype], 32 * p.warps)
                 name, memory, launch = plan.mma_launch(qtype, k, 6656, h200, whole, b, 2 * k)
                 assert name == f"matvec_mma_{qtype.name.lower()}" and memory == p.memory
                 assert ("XS", 2 * k) in launch["template"]
@@ -282,7 +282,7 @@ def test_tensor_core_plans_fit_the_hardware():
     assert pair._takes_mma(QT.Q4_K, 6656, 39936, 2) and pair._takes_mma(QT.Q4_K, 6656, 16384, 2)
     assert pair._takes_mma(QT.Q4_K, 6656, 8704, 3) and pair._takes_mma(QT.Q6_K, 19968, 6656, 4)
     # asked-for warps, capped by the registers a multiprocessor holds: 25 blocks (K = 6,400) take 25
-    # warps of Q6_K (25 fit), five of Q4_K (21 fit: the fewest idle below that)
+    # warps of Q6_K (28 fit), five of Q4_K (20 fit: the fewest idle below that)
     assert plan.mma_plan(QT.Q6_K, 6400, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 25
     assert plan.mma_plan(QT.Q6_K, 6400, 6656, 4, h200, KernelConfig(mma_warps=16, mma_tile_warps=32)).warps == 5
     assert plan.mma_plan(QT.Q4_K, 6400, 6656, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=32)).warps == 5
@@ -290,18 +290,50 @@ def test_tensor_core_plans_fit_the_hardware():
         for k, n in ((6656, 202048), (19968, 6656), (4096, 6656)):
             for tile_warps in (0, 1, 32):
                 p = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps))
-                assert 32 * p.warps * regs <= plan.GROUP_REGISTERS
+                assert plan.fits_registers(regs, 32 * p.warps)
                 assert (k // 64 // p.parts) % 4 == 0 and p.warps % p.tile_warps == 0
                 assert plan.mma_launch(qtype, k, n, h200, KernelConfig(mma_warps=32, mma_tile_warps=tile_warps),
                                        4)[0] == f"matvec_mma_{qtype.name.lower()}"
     assert not Kernels(Device("metal", 64))._takes_mma(QT.Q4_K, 256, 16, 2)
 
 
+def test_register_rule_counts_the_sub_partitions():
+    """fits_registers: a block's warps, rounded up to the register file's four sub-partitions of
+    16,384, each taking its registers in units of 256 (cuda_occupancy.h's rule, worked by hand
+    here), against the launches seen on an H200 (2026-12-06): 21 warps of an 83-register build
+    ("too many resources requested for launch"), where 21 x 32 x 88 = 59,136 registers would have
+    fit the whole file; 21 warps of 78 (o_proj's build), 25 of 72 and 20 of 86 launched."""
+    assert not plan.fits_registers(83, 21 * 32)          # 24 warps x 2,816 = 67,584
+    assert 21 * 32 * 88 <= plan.GROUP_REGISTERS          # what the old rule counted
+    for regs, warps in ((78, 21), (72, 25), (86, 20), (64, 32), (255, 8), (168, 10)):
+        assert plan.fits_registers(regs, 32 * warps), (regs, warps)
+    for regs, warps in ((65, 32), (73, 25), (97, 20), (170, 10), (176, 9)):
+        assert not plan.fits_registers(regs, 32 * warps), (regs, warps)
+    # threadgroups a multiprocessor holds: 16,384 // registers a warp, times 4, over the warps
+    # (88: 5 x 4 = 20 warps, one group of 19; 72: 7 x 4 = 28, two of 13)
+    assert plan.groups_by_registers(88, 19 * 32) == 1 and plan.groups_by_registers(72, 13 * 32) == 2
+    assert plan.groups_by_registers(32, 4 * 32) == 16 and plan.groups_by_registers(64, 1 * 32) == 32
+    # every plan the planner makes fits, at every device size and shape
+    for cores in (4, 66, 114, 132):
+        device = Device("cuda", cores, 232448)
+        for qtype, regs in plan.MMA_REGISTERS.items():
+            for k in (768, 4096, 6656, 19968):
+                for n in (37, 256, 8448, 39936):
+                    for cfg in (KernelConfig(), KernelConfig(mma_warps=32), KernelConfig(mma_tile_warps=32)):
+                        p = plan.mma_plan(qtype, k, n, 4, device, cfg)
+                        assert plan.fits_registers(regs, 32 * p.warps), (cores, qtype, k, n, cfg, p)
+    # the x_shared kernels lower RF where its registers would not fit: three rows at K = 17,408
+    # (288 threads: 9 warps, 12 by the sub-partitions) at RF = 2 take 170, 176 x 32 x 12 > 65,536
+    p = plan.stream_plan(QT.Q4_K, 17408, 8192, Device("cuda", 132, 232448), KernelConfig(), 3)
+    assert p.rows_loaded == 1 and plan.fits_registers(plan.STREAM_BATCH_REGISTERS[QT.Q4_K, 3, 1], 288)
+
+
 def test_q4k_plans_keep_to_the_checked_warps_a_tile():
     """Left to the planner, Q4_K's block form puts at most MMA_CHECKED_TILE_WARPS (5) warps on a
-    tile at every row count and device size: 256 x 6,656 at two to four rows took 21 and summed
-    wrong on an H100 (98cd826). The pinned model's Q4_K products on a 132-multiprocessor device
-    keep the plans they were measured with; an explicit mma_tile_warps still decides."""
+    tile at every row count and device size (the most its GPU checks have passed). The pinned
+    model's Q4_K products on a 132-multiprocessor device keep the plans they were measured with,
+    but o_proj's 21 warps, which take 20 since the register rule counts the register file's
+    sub-partitions (fits_registers); an explicit mma_tile_warps still decides."""
     limit = plan.MMA_CHECKED_TILE_WARPS[QT.Q4_K]
     assert limit == 5
     for cores in (4, 66, 114, 132):
@@ -313,7 +345,7 @@ def test_q4k_plans_keep_to_the_checked_warps_a_tile():
                     assert p.tile_warps <= limit, (cores, k, n, b, p)
     h200 = Device("cuda", 132, 232448)
     for (n, k), (warps, parts, tile_warps) in {(39936, 6656): (19, 1, 1), (8448, 6656): (20, 1, 5),
-                                               (8704, 6656): (20, 1, 4), (6656, 4096): (21, 8, 1),
+                                               (8704, 6656): (20, 1, 4), (6656, 4096): (20, 8, 1),
                                                (6656, 19968): (19, 6, 1)}.items():
         for b in (2, 3, 4):
             p = plan.mma_plan(QT.Q4_K, k, n, b, h200, KernelConfig())
@@ -381,7 +413,8 @@ def test_tensor_core_tile_split_fits_and_balances(qtype, n, k):
     whole-threadgroup split (one tile at a time) included."""
     h200 = Device("cuda", 132, 232448)
     p = plan.mma_plan(qtype, k, n, 4, h200, KernelConfig())
-    limit = min(plan.MMA_MAX_WARPS, plan.GROUP_REGISTERS // (32 * plan.MMA_REGISTERS[qtype]))
+    limit = max(nw for nw in range(1, plan.MMA_PLANNED_WARPS[qtype] + 1)
+                if plan.fits_registers(plan.MMA_REGISTERS[qtype], 32 * nw))
     assert p.warps % p.tile_warps == 0 and p.warps <= limit
     assert p.memory + plan.MMA_WARP_BYTES * p.warps <= h200.group_memory
     tiles, units, groups = -(-n // 16), k // 64 // p.parts, h200.cores // p.parts

@@ -29,7 +29,7 @@ STREAM_BATCH_RF = 2
 # Registers a thread of the x_shared kernels takes, by (type, B, RF): ptxas, sm_90a, NVRTC 13.0 with
 # MLX 0.32.1's headers (scripts/nvrtc_check.py), the most over K = 4,096 / 6,656 / 19,968, plain and
 # silu forms. MLX launches without launch bounds, so a threadgroup must fit the multiprocessor's
-# GROUP_REGISTERS: an RF whose registers times the threads would not is lowered (at 255 some spill).
+# GROUP_REGISTERS (fits_registers): an RF whose registers would not is lowered (at 255 some spill).
 STREAM_BATCH_REGISTERS = {
     (QT.Q4_K, 2, 1): 126, (QT.Q4_K, 2, 2): 128, (QT.Q4_K, 2, 4): 168,
     (QT.Q4_K, 3, 1): 138, (QT.Q4_K, 3, 2): 170, (QT.Q4_K, 3, 4): 254,
@@ -39,6 +39,25 @@ STREAM_BATCH_REGISTERS = {
     (QT.Q6_K, 4, 1): 194, (QT.Q6_K, 4, 2): 255, (QT.Q6_K, 4, 4): 255,
 }
 GROUP_REGISTERS = 65536
+# The register file is four sub-partitions of GROUP_REGISTERS / 4, a block's warps spread over them.
+REGISTER_PARTS = 4
+
+
+def fits_registers(regs: int, threads: int) -> bool:
+    """Whether a threadgroup of `threads` threads taking `regs` registers each can launch (MLX
+    launches without launch bounds): registers go to a warp in units of 256 (8 a thread) and the
+    block's warps, rounded up to a multiple of REGISTER_PARTS, must fit GROUP_REGISTERS
+    (cuda_occupancy.h, cudaOccMaxBlocksPerSMRegsLimit). 21 warps of 83 registers do not (24 x 32 x 88
+    = 67,584): that Q4_K launch failed with "too many resources requested for launch" and, inside
+    one of MLX's CUDA graphs, gave wrong sums and no error (H200, 2026-12-06, ledger)."""
+    warps = -(-threads // 32)
+    return 32 * -(-regs // 8) * 8 * -(-warps // REGISTER_PARTS) * REGISTER_PARTS <= GROUP_REGISTERS
+
+
+def groups_by_registers(regs: int, threads: int) -> int:
+    """Threadgroups of `threads` threads a multiprocessor holds at once by registers (the same rule)."""
+    warps = -(-threads // 32)
+    return GROUP_REGISTERS // REGISTER_PARTS // (32 * -(-regs // 8) * 8) * REGISTER_PARTS // warps
 ROW_BYTES_PER_256 = {QT.Q4_K: 144, QT.Q6_K: 210}
 QUANT_VARIANTS = {QT.Q4_K: "q4_k", QT.Q5_K: "q5_k", QT.Q6_K: "q6_k", QT.Q8_0: "q8_0", QT.NVFP4: "nvfp4"}
 FLOAT_DTYPES = {QT.F32: mx.float32, QT.F16: mx.float16, QT.BF16: mx.bfloat16}
@@ -108,7 +127,7 @@ def stream_plan(qtype: QT, K: int, N: int, device: Device, config: KernelConfig,
     if B > 1:
         R = STREAM_BATCH_R[qtype][B]
         RF = min(R, config.stream_batch_rf or STREAM_BATCH_RF)
-        while RF > 1 and STREAM_BATCH_REGISTERS[qtype, B, RF] * threads > GROUP_REGISTERS:
+        while RF > 1 and not fits_registers(STREAM_BATCH_REGISTERS[qtype, B, RF], threads):
             RF //= 2
     while R > 2 and -(-N // R) < device.cores:
         R //= 2
@@ -149,14 +168,15 @@ MMA_MAX_ROWS = 4          # B's eight columns: hi and lo of 4 rows of x
 # Warps a threadgroup at most: 26 against 13 took gate|up from 0.159 to 0.116 ms at B = 4, the
 # LM head's rows and FFN down (Q6_K) by 16-19 % (H200, 4509bef, ledger): more loads in flight.
 MMA_MAX_WARPS = 32
-# Registers a thread by type, planned: Q4_K's block loop took 86 in MLX's NVRTC build at gate|up
-# (ncu, 06939ea) and 72-86 under nvcc 13.0 for all its plans (86 with MASK_OR, 2026-12-05); Q6_K's
-# 56-72 under nvcc 13.0, split plans included (2026-12-05). NVRTC 13.0.88, MLX's compiler, gave the
-# same: Q4_K 77-86, Q6_K 60-72 over the pinned model's plans at two to four rows, the 21-warp Q4_K
-# plan that summed wrong 83 (2026-12-06, e81aa89; elsewhere its builds took up to 8 more than
-# nvcc's). Split plans (KW < NW) count the same. A threadgroup's warps are capped so
-# that they fit GROUP_REGISTERS (MLX launches without launch bounds).
-MMA_REGISTERS = {QT.Q4_K: 96, QT.Q6_K: 80}
+# Registers a thread by type as allocated (whole units of 8), at least the most any build took:
+# Q4_K's block loop 77-86 and Q6_K's 60-72 under NVRTC 13.0.88 (MLX's compiler) and nvcc 13.0 over
+# the pinned model's plans at two to four rows, split and whole-tile plans alike (2026-12-05/06).
+# With fits_registers they allow Q4_K 20 warps a threadgroup and Q6_K 28.
+MMA_REGISTERS = {QT.Q4_K: 88, QT.Q6_K: 72}
+# Warps a threadgroup the planner gives a type at most (KernelConfig.mma_warps = 0): Q6_K's plans
+# were measured with at most 25 (the register rule before 2026-12-06 allowed no more); 26-28 are
+# not timed.
+MMA_PLANNED_WARPS = {QT.Q4_K: MMA_MAX_WARPS, QT.Q6_K: 25}
 SM_THREADS = 2048
 # Parts of K (grid y) at most; each adds B x N partial sums for one more node to add. With
 # KernelConfig.mma_parts = 6 this bound keeps K = 6,656 (26 blocks: 1, 2, 13 or 26 parts) whole:
@@ -186,10 +206,11 @@ MMA_ROUND_UNITS = 2
 
 
 # The most warps a tile that the planner gives a form on its own (KernelConfig.mma_tile_warps = 0):
-# Q4_K's block form passed the GPU checks with up to five warps a tile (8,448 x 6,656 at B = 2-4,
-# 7b7d60d H200, 98cd826 H100) and summed wrong with 21 (a whole threadgroup of 21 warps on one tile,
-# 256 x 6,656, 98cd826 H100: error over the terms 0.023 / 0.21 / 2e19 at B = 2 / 3 / 4, where the
-# emulator gives the float64 sums; cause not found). None of the pinned model's products changes.
+# Q4_K's block form has passed the GPU checks with up to five warps a tile (8,448 x 6,656 and
+# 256 x 6,656 at B = 2-4; 7b7d60d H200, 98cd826 H100, 6d5fc71 H200). The 21-warp whole-tile plan that
+# summed wrong (256 x 6,656, 98cd826 H100 and 6d5fc71 H200) could not launch: 21 warps of 83
+# registers exceed the register file (fits_registers), which the planner now keeps to; whole-tile
+# and wider splits of Q4_K that fit are not checked on a GPU yet.
 MMA_CHECKED_TILE_WARPS = {QT.Q4_K: 5}
 
 
@@ -223,7 +244,8 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     if qtype not in STREAM_VARIANTS or not 1 <= B <= MMA_MAX_ROWS or K % 256 or K <= 0:
         return None
     units, granule, regs = K // 64, MMA_GRANULE, MMA_REGISTERS[qtype]
-    limit = min(config.mma_warps or MMA_MAX_WARPS, GROUP_REGISTERS // (32 * regs))
+    limit = max(nw for nw in range(1, (config.mma_warps or MMA_PLANNED_WARPS[qtype]) + 1)
+                if fits_registers(regs, 32 * nw))
     tiles = -(-N // 16)
     first = max(1, config.mma_parts)
     for parts in [*range(first, MMA_MAX_PARTS + 1), *range(1, first)]:   # from config.mma_parts up, else the fewest
@@ -249,7 +271,7 @@ def mma_plan(qtype: QT, K: int, N: int, B: int, device: Device, config: KernelCo
     else:
         threads = 32 * warps
         per_core = max(1, min(device.group_memory // (memory + static), SM_THREADS // threads,
-                              GROUP_REGISTERS // (threads * regs)))
+                              groups_by_registers(regs, threads)))
         groups = max(1, device.cores * per_core // parts)
     return MmaPlan(warps, parts, min(-(-tiles // (warps // kw)), groups), memory, kw)
 
